@@ -1,0 +1,212 @@
+"""Build Hugging Face hub caches on disk, the way a NAS holds them, for the demo, tests and bench.
+
+Nothing here talks to a network: files are written with the exact layout that
+huggingface_hub 1.x/2.x produces, including the hub-level shared blob store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+
+
+def git_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def safetensors_bytes(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict | None = None) -> bytes:
+    """Serialize {name: (dtype, shape, raw bytes)} in the safetensors format (8-byte LE header length,
+    JSON header, then the data), without importing safetensors."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(raw for _, _, raw in tensors.values())
+
+
+def random_safetensors(seed: int, tensor_bytes: int, names: int = 2, dtype: str = "F16") -> bytes:
+    """A loadable safetensors file of about `tensor_bytes`, content determined by `seed`."""
+    per = max(2, tensor_bytes // names // 2 * 2)
+    tensors = {}
+    for i in range(names):
+        raw = pseudo_random(seed * 1000 + i, per)
+        tensors[f"model.layers.{i}.weight"] = (dtype, [per // 2], raw)
+    return safetensors_bytes(tensors)
+
+
+def pseudo_random(seed: int, size: int) -> bytes:
+    """Fast deterministic bytes (blake3 XOF), so fixtures of any size cost no RNG time."""
+    return blake3.blake3(str(seed).encode()).digest(length=size)
+
+
+@dataclass
+class Snapshot:
+    repo: "Repo"
+    commit: str
+    files: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def dir(self) -> Path:
+        return self.repo.dir / "snapshots" / self.commit
+
+    def _entry(self, path: str) -> Path:
+        entry = self.dir / path
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        return entry
+
+    def _link_to_blob(self, path: str, blob_name: str) -> None:
+        depth = path.count("/")
+        os.symlink("../" * (depth + 2) + f"blobs/{blob_name}", self._entry(path))
+
+    def add_lfs(self, path: str, data: bytes, *, shared: bool = True, absolute_via: str | None = None) -> str:
+        """An LFS file: blob named by its sha256. `shared` puts the bytes in the hub-level store
+        (repo blob -> ../../blobs/xx/<xet>); `absolute_via` writes that link as an absolute path
+        under the given NAS-side prefix (what `nas.aliases` maps back)."""
+        sha = hashlib.sha256(data).hexdigest()
+        blob = self.repo.dir / "blobs" / sha
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists() and not blob.is_symlink():
+            if shared:
+                xet = self.repo.hub.store(data)
+                if absolute_via:
+                    os.symlink(f"{absolute_via}/blobs/{xet[:2]}/{xet}", blob)
+                else:
+                    os.symlink(f"../../blobs/{xet[:2]}/{xet}", blob)
+                self.repo.hub.add_store_ref(xet, f"{self.repo.dir.name}/blobs/{sha}")
+            else:
+                blob.write_bytes(data)
+        self._link_to_blob(path, sha)
+        self.files[path] = {"size": len(data), "blob_id": git_sha1(data), "lfs_sha256": sha, "lfs_size": len(data)}
+        return sha
+
+    def add_git(self, path: str, data: bytes) -> str:
+        """A regular git file: blob named by its git sha1."""
+        sha1 = git_sha1(data)
+        blob = self.repo.dir / "blobs" / sha1
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            blob.write_bytes(data)
+        self._link_to_blob(path, sha1)
+        self.files[path] = {"size": len(data), "blob_id": sha1}
+        return sha1
+
+    def add_real(self, path: str, data: bytes) -> Path:
+        """A real file inside the snapshot (copied there by hand, or by an old tool)."""
+        entry = self._entry(path)
+        entry.write_bytes(data)
+        self.files[path] = {"size": len(data), "blob_id": git_sha1(data)}
+        return entry
+
+    def add_raw_link(self, path: str, target: str) -> Path:
+        entry = self._entry(path)
+        os.symlink(target, entry)
+        return entry
+
+    def finish(self, *, ref: str | None = "main", trees: bool = True, no_exist: tuple[str, ...] = ()) -> "Snapshot":
+        if ref:
+            ref_path = self.repo.dir / "refs" / ref
+            ref_path.parent.mkdir(parents=True, exist_ok=True)
+            ref_path.write_text(self.commit)  # 40 hex, no newline: huggingface_hub's format
+        if trees:
+            tree = self.repo.dir / "trees" / f"{self.commit}.json"
+            tree.parent.mkdir(parents=True, exist_ok=True)
+            tree.write_text(json.dumps({"format_version": 1, "files": dict(sorted(self.files.items()))}, indent=2))
+        for path in no_exist:
+            marker = self.repo.dir / ".no_exist" / self.commit / path
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        return self
+
+
+@dataclass
+class Repo:
+    hub: "Hub"
+    repo_id: str
+
+    @property
+    def dir(self) -> Path:
+        return self.hub.root / f"models--{self.repo_id.replace('/', '--')}"
+
+    def snapshot(self, commit: str | None = None) -> Snapshot:
+        commit = commit or hashlib.sha1(f"{self.repo_id}:{len(list(self.dir.glob('snapshots/*')))}".encode()).hexdigest()
+        (self.dir / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        return Snapshot(self, commit)
+
+
+class Hub:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def repo(self, repo_id: str) -> Repo:
+        return Repo(self, repo_id)
+
+    def store(self, data: bytes) -> str:
+        """Put bytes in the hub-level shared store; returns the content (xet) hash naming it."""
+        xet = blake3.blake3(b"xet:" + data).hexdigest()
+        store = self.root / "blobs"
+        store.mkdir(exist_ok=True)
+        marker = store / ".huggingface-shared-blobs"
+        if not marker.exists():
+            marker.write_text("1\n")
+        payload = store / xet[:2] / xet
+        payload.parent.mkdir(exist_ok=True)
+        if not payload.exists():
+            payload.write_bytes(data)
+        return xet
+
+    def add_store_ref(self, xet: str, referrer: str) -> None:
+        with open(self.root / "blobs" / xet[:2] / f"{xet}.refs", "a") as refs:
+            refs.write(referrer + "\n")
+
+
+def build_demo(root: Path, *, scale: int = 1) -> Path:
+    """A demo NAS under root/nas/hf/hub with the traps a real one has, a node hub under
+    root/nvme, and root/cluster.toml pointing at both. Returns the manifest path."""
+    root = Path(root).resolve()
+    nas = root / "nas" / "hf" / "hub"
+    hub = Hub(nas)
+    flash = hub.repo("acme/Flash-3bpw").snapshot()
+    flash.add_git("config.json", json.dumps({"architectures": ["DeepseekV4ForCausalLM"]}).encode())
+    index = {"metadata": {}, "weight_map": {}}
+    for i in range(1, 4):
+        name = f"model-0000{i}-of-00003.safetensors"
+        data = random_safetensors(i, scale * 4 * 1024 * 1024)
+        flash.add_lfs(name, data, shared=True, absolute_via="/volume1/hf/hub" if i == 2 else None)
+        index["weight_map"][f"model.layers.{i}.weight"] = name
+    flash.add_git("model.safetensors.index.json", json.dumps(index).encode())
+    flash.add_real("tokenizer.json", json.dumps({"version": "1.0", "model": {"type": "BPE"}}).encode())
+    flash.add_lfs("page15/experts.safetensors", random_safetensors(15, scale * 2 * 1024 * 1024), shared=False)
+    flash.finish(no_exist=("generation_config.json",))
+    drafter = hub.repo("acme/Flash-drafter").snapshot()
+    drafter.add_git("config.json", b'{"architectures": ["DrafterForCausalLM"]}')
+    drafter.add_lfs("model.safetensors", random_safetensors(99, scale * 2 * 1024 * 1024), shared=True)
+    drafter.finish()
+    manifest = root / "cluster.toml"
+    manifest.write_text(f"""# Demo cluster: a NAS hub under {root}/nas and one node hub under {root}/nvme.
+[nas]
+hub = "{nas}"
+aliases = {{ "/volume1/hf/hub" = "{nas}" }}
+
+[models."acme/Flash-3bpw"]
+revision = "main"
+exclude = ["page15/**"]
+
+[models."acme/Flash-drafter"]
+revision = "main"
+
+[nodes.dgx1]
+hub = "{root}/nvme/hf/hub"
+reserve = "64MiB"
+models = ["acme/Flash-3bpw", "acme/Flash-drafter"]
+""")
+    return manifest

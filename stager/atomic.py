@@ -1,0 +1,170 @@
+"""The one way this tool puts bytes under a final name.
+
+temp file in the target directory -> write -> fsync -> rename over the final
+name -> fsync the directory.  A reader (or the serving engine) therefore sees
+either the old file or the complete new one, never a prefix: a killed copy
+leaves only a temp file, which the next run sweeps.  Locks cannot be trusted on
+NFS, renames within one directory can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from stager.errors import CannotRun
+
+TEMP_MARK = ".stage-"
+# `.<name>.stage-<8 hex>.tmp`: hidden, and never mistaken for huggingface_hub's `*.incomplete`.
+TEMP_PATTERN = re.compile(r"^\..*\.stage-[0-9a-f]{8}\.tmp$")
+
+
+def is_temp_name(name: str) -> bool:
+    return bool(TEMP_PATTERN.match(name))
+
+
+def temp_path_for(path: Path) -> Path:
+    return path.with_name(f".{path.name}{TEMP_MARK}{secrets.token_hex(4)}.tmp")
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raise_if_disk_full(exc: OSError, path: Path) -> None:
+    """Turn ENOSPC/EDQUOT into the documented exit 3 with the file named."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise CannotRun(f"no space left on device while writing {path}") from None
+
+
+@dataclass
+class AtomicFile:
+    """An open temp file; `fd` is a raw read-write descriptor (copy_file_range, re-reads)."""
+
+    path: Path
+    temp: Path
+    fd: int
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            written = os.write(self.fd, view)
+            view = view[written:]
+
+    @property
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def pread(self, length: int, offset: int) -> bytes:
+        """Read back what was written: the check before the rename reads the temp file."""
+        return os.pread(self.fd, length, offset)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: int | None = None) -> Iterator[AtomicFile]:
+    """Write `path` atomically. The temp file is removed if the body raises.
+
+    `size_hint` preallocates (ENOSPC surfaces before any byte is copied, and the
+    extent stays contiguous); `mtime_ns` is applied before the rename so the
+    final name never carries a wrong mtime.
+    """
+    path = Path(path)
+    temp = temp_path_for(path)
+    fd = -1
+    try:
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        if size_hint > 0:
+            _preallocate(fd, size_hint)
+        handle = AtomicFile(path, temp, fd)
+        yield handle
+        os.fsync(fd)
+        # Staged bytes are cold until the engine maps them: keep them from evicting its pages.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if mtime_ns is not None:
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
+        os.close(fd)
+        fd = -1
+        os.replace(temp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        _discard(fd, temp)
+        raise_if_disk_full(exc, path)
+        raise
+    except BaseException:
+        _discard(fd, temp)
+        raise
+
+
+def _preallocate(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        # Filesystems without fallocate (some FUSE, old NFS) still work, just without the early ENOSPC.
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+
+
+def _discard(fd: int, temp: Path) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(temp)
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644, mtime_ns: int | None = None) -> None:
+    with atomic_file(path, mode=mode, mtime_ns=mtime_ns) as out:
+        out.write(data)
+
+
+def _atomic_place(path: Path, make) -> None:
+    path = Path(path)
+    temp = temp_path_for(path)
+    try:
+        make(temp)
+        os.replace(temp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise_if_disk_full(exc, path)
+        raise
+
+
+def atomic_symlink(target: str, path: Path) -> None:
+    """Create or replace the symlink `path -> target` (replacing never fails with EEXIST)."""
+    _atomic_place(path, lambda temp: os.symlink(target, temp))
+
+
+def atomic_hardlink(existing: Path, path: Path) -> None:
+    _atomic_place(path, lambda temp: os.link(existing, temp, follow_symlinks=False))
+
+
+def ensure_dir(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise_if_disk_full(exc, directory)
+        raise
+
+
+def sweep_temps(directory: Path) -> list[Path]:
+    """Remove temp files a killed run left in `directory` (caller holds the writer lock)."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(directory):
+            if is_temp_name(entry.name) and not entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    return removed

@@ -1,0 +1,7 @@
+"""The `stage` command. Each subcommand lives in its own module and stays a few lines long:
+parse, call the core, report."""
+
+from stager.cli.app import app, main
+from stager.cli import mirror, verify  # noqa: F401  (registers the commands)
+
+__all__ = ["app", "main"]

@@ -1,0 +1,38 @@
+"""`stage mirror --node NAME`: stage the node's models from the NAS into its local hub."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from stager.cli.app import FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, SeedOpt, app
+from stager.cli import terminal
+
+
+@app.command()
+def mirror(
+    node: NodeOpt,
+    model: Annotated[Optional[list[str]], typer.Option("--model", help="Only this repo (repeatable)")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan and print; write nothing")] = False,
+    full: FullOpt = False,
+    jobs: JobsOpt = None,
+    json: JsonOpt = False,
+    seed: SeedOpt = None,
+    manifest: ManifestOpt = None,
+) -> None:
+    """Mirror the node's models into its local hub, then verify them."""
+    from stager import mirror as core
+    from stager.manifest import load_manifest
+
+    job = core.node_job(load_manifest(manifest), node, model, jobs=jobs or core.default_jobs(), seed=seed)
+    report = core.mirror(job, full=full, dry_run=dry_run, progress_factory=terminal.byte_progress(not json, "stage"))
+    if json:
+        terminal.emit_json(report.to_json())
+    else:
+        verb = "would copy" if dry_run else "copied"
+        terminal.say(f"{node}: {verb} {report.copied_files} files ({terminal.size(report.copied_bytes)}), "
+                     f"{report.entries} entries, {len(report.excluded)} excluded, "
+                     f"{len(report.problems)} problems in {report.seconds:.1f}s")
+        terminal.print_problems(report.problems)
+    terminal.exit_with(report.problems)

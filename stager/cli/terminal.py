@@ -1,0 +1,59 @@
+"""Output: JSON on stdout, human text and progress on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Callable
+
+import typer
+
+from stager.errors import EXIT_OK, EXIT_PROBLEMS
+from stager.units import format_size
+
+
+def emit_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def say(text: str) -> None:
+    typer.echo(text, err=True)
+
+
+def exit_with(problems: list) -> None:
+    raise typer.Exit(EXIT_PROBLEMS if problems else EXIT_OK)
+
+
+def byte_progress(enabled: bool, desc: str) -> Callable[[int], Callable[[int], None]] | None:
+    """A tqdm bar in bytes with rate and ETA, only on a terminal and never with --json."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+
+    def factory(total: int) -> Callable[[int], None]:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+                   dynamic_ncols=True, leave=True)
+        import threading
+
+        lock = threading.Lock()
+
+        def update(n: int) -> None:
+            with lock:
+                bar.update(n)
+                if bar.n >= bar.total:
+                    bar.close()
+
+        return update
+
+    return factory
+
+
+def print_problems(problems: list) -> None:
+    for problem in problems:
+        say(f"  {problem.kind:<16} {problem.path}: {problem.detail}")
+
+
+def size(n: int) -> str:
+    return format_size(n)

@@ -1,0 +1,42 @@
+"""`stage verify --node NAME`: the verification ladder over the node's staged files."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from stager.cli.app import FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, SeedOpt, app
+from stager.cli import terminal
+from stager.errors import BadInput
+
+
+@app.command()
+def verify(
+    node: NodeOpt,
+    full: FullOpt = False,
+    subset: Annotated[Optional[str], typer.Option("--subset", help="With --full: check bucket N of T (N/T)")] = None,
+    jobs: JobsOpt = None,
+    json: JsonOpt = False,
+    seed: SeedOpt = None,
+    manifest: ManifestOpt = None,
+) -> None:
+    """Check that every staged file is local, linked correctly, and matches the source."""
+    from stager import mirror as core
+    from stager.manifest import load_manifest
+    from stager.verify import Subset
+
+    try:
+        chosen = Subset.parse(subset) if subset else None
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    job = core.node_job(load_manifest(manifest), node, None, jobs=jobs or core.default_jobs(), seed=seed)
+    report = core.verify(job, full=full, subset=chosen)
+    if json:
+        terminal.emit_json(report.to_json())
+    else:
+        terminal.say(f"{node}: {report.mode} verify: {report.ok}/{report.checked} ok, {len(report.problems)} problems")
+        terminal.print_problems(report.problems)
+        if report.problems:
+            terminal.say(f"repair: stage mirror --node {node}{' --full' if full else ''}")
+    terminal.exit_with(report.problems)

@@ -1,0 +1,135 @@
+"""Carry out a Plan. The only code that writes into the local hub.
+
+Order: final files (blobs), then links from the blob back to the snapshot entry,
+then metadata, then refs.  A run killed at any point leaves only complete files
+under final names (see atomic.py), and a ref is written only once its snapshot
+is whole, so a client never resolves a revision into a half-staged snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from stager.atomic import atomic_file, atomic_symlink, atomic_write_bytes, ensure_dir, sweep_temps
+from stager.copier import copy_into
+from stager.errors import StageError
+from stager.fingerprint import Digest, Verdict, judge, new_hasher, sampled_digest
+from stager.hub import Problem
+from stager.observe import DigestCache
+from stager.plan import CopyFile, Plan
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    copied_files: int
+    copied_bytes: int
+    problems: tuple[Problem, ...]
+
+
+class _Tally:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.files = 0
+        self.bytes = 0
+        self.problems: list[Problem] = []
+        self.failed: set[str] = set()
+
+
+def inside(root: Path, rel: str) -> Path:
+    """The local path of a hub-relative name. Refuses anything that would land outside the root."""
+    path = Path(os.path.normpath(root / rel))
+    if rel.startswith("/") or ".." in rel.split("/") or not str(path).startswith(str(root).rstrip("/") + "/"):
+        raise StageError(f"refusing to write {path}: outside the local hub {root}")
+    return path
+
+
+def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bool, jobs: int,
+            progress: Callable[[int], None] | None = None) -> ExecResult:
+    tally = _Tally()
+    for directory in sorted({posixpath.dirname(c.dest) for c in plan.copies} | {posixpath.dirname(l.dest) for l in plan.links}):
+        ensure_dir(inside(local_hub, directory))
+        sweep_temps(inside(local_hub, directory))
+
+    def copy_one(copy: CopyFile) -> None:
+        try:
+            _copy_verified(copy, source, local_hub, cache, full, progress)
+        except StageError:
+            raise
+        except (_Mismatch, OSError) as exc:
+            with tally.lock:
+                tally.failed.add(copy.dest)
+                kind = "mismatch" if isinstance(exc, _Mismatch) else "unreadable"
+                detail = str(exc) if isinstance(exc, _Mismatch) else (exc.strerror or str(exc))
+                tally.problems.append(Problem(source.display(copy.source), kind, detail))
+            return
+        with tally.lock:
+            tally.files += 1
+            tally.bytes += copy.size
+
+    with ThreadPoolExecutor(max(1, jobs), thread_name_prefix="stage-copy") as pool:
+        futures = [pool.submit(copy_one, copy) for copy in plan.copies]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            # Disk full or interrupted: stop queued copies now instead of failing each in turn.
+            for future in futures:
+                future.cancel()
+            raise
+
+    # Links are made from the blob end back to the snapshot entry, and never to a file that failed.
+    for link in sorted(plan.links, key=lambda l: -l.dest.count("/")):
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(link.dest), link.target))
+        if target in tally.failed:
+            continue
+        ensure_dir(inside(local_hub, posixpath.dirname(link.dest)))
+        atomic_symlink(link.target, inside(local_hub, link.dest))
+    for meta in (*plan.metadata, *plan.refs):
+        path = inside(local_hub, meta.dest)
+        ensure_dir(path.parent)
+        atomic_write_bytes(path, meta.content)
+    return ExecResult(tally.files, tally.bytes, tuple(tally.problems))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, full: bool, progress) -> None:
+    """Copy one file and check it *before* the rename, so a wrong byte never gets a final name.
+
+    --full hashes the stream during the copy (one read) against the reference;
+    the default re-reads the sampled regions of the temp file against the source.
+    """
+    dest = inside(local_hub, copy.dest)
+    reader = source.open(copy.source, uncached=True, sequential=True)
+    try:
+        if reader.size != copy.size:
+            raise _Mismatch(f"source size changed from {copy.size} to {reader.size} since the walk")
+        hasher = new_hasher(copy.reference.method, copy.size) if full else None
+        with atomic_file(dest, size_hint=copy.size, mtime_ns=copy.mtime_ns) as out:
+            copy_into(reader, out, copy.size, hasher, progress)
+            if full:
+                got = Digest(copy.reference.method, copy.size, hasher.hexdigest())
+                if copy.reference.value is None:
+                    cache.remember(copy.source, got)  # the source's own hash, read once
+                    expected = got
+                else:
+                    expected = Digest(copy.reference.method, copy.size, copy.reference.value)
+            else:
+                got = sampled_digest(out, cache.seed)
+                expected = cache.sampled(copy.source)
+            if judge(got, expected) is not Verdict.MATCH:
+                raise _Mismatch(
+                    f"copied bytes do not match the {copy.reference.origin if full else 'source sample'}"
+                    f" ({got.method}: {got.value} != {expected.value})")
+        if hasattr(reader, "drop_cache"):
+            reader.drop_cache()
+    finally:
+        reader.close()

@@ -1,0 +1,297 @@
+"""Hugging Face hub cache layout, and the read-only walk of one repo revision on a source.
+
+Layout (huggingface_hub 1.x/2.x):
+    <hub>/models--<owner>--<name>/refs/<ref>               40-hex commit, no newline
+    <hub>/models--<owner>--<name>/snapshots/<commit>/<path> link -> ../../blobs/<etag>
+    <hub>/models--<owner>--<name>/blobs/<etag>              file, or link into the shared store
+    <hub>/models--<owner>--<name>/trees/<commit>.json       file listing (sizes, sha256)
+    <hub>/models--<owner>--<name>/.no_exist/<commit>/<path> empty marker of a missing file
+    <hub>/blobs/.huggingface-shared-blobs                   "1\n": marks the shared store
+    <hub>/blobs/<2 hex>/<xet hash>[.refs]                    shared payload and its referrers
+
+The walk follows every link hop to the final regular file, and records the hops
+as hub-relative paths. Following only the first hop is the bug this tool exists
+to avoid: a copied `../../blobs/<etag>` link whose blob is itself a link into
+the NAS-level shared store leaves the weights resolving through the NAS.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import posixpath
+import re
+from dataclasses import dataclass, field, replace
+
+from stager.atomic import is_temp_name
+from stager.source import Source, Stat
+
+SHARED_STORE = "blobs"
+SHARED_MARKER = "blobs/.huggingface-shared-blobs"
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
+GIT_SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
+_SHARED_PAYLOAD = re.compile(r"^blobs/([0-9a-f]{2})/\1[0-9a-f]{62}$")
+# The kernel gives up after 40 links (ELOOP); so do we, which also bounds hostile chains.
+MAX_HOPS = 40
+
+
+def repo_dir_name(repo_id: str, repo_type: str = "model") -> str:
+    return f"{repo_type}s--{repo_id.replace('/', '--')}"
+
+
+def is_shared_payload(rel: str) -> bool:
+    return bool(_SHARED_PAYLOAD.match(rel))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that could not be staged or verified. `path` names the offending file."""
+
+    path: str
+    kind: str  # escape | dangling | loop | not_a_file | unreadable | missing | mismatch | remote | ...
+    detail: str
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "kind": self.kind, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file of a snapshot, resolved on the source to its final regular file.
+
+    `chain` holds the hub-relative path of every hop: the snapshot entry first,
+    the final regular file last (a real file in a snapshot has a chain of one).
+    """
+
+    repo_id: str
+    path: str  # snapshot-relative, e.g. "page15/model-00002.safetensors"
+    chain: tuple[str, ...]
+    size: int
+    mtime_ns: int
+
+    @property
+    def rel(self) -> str:
+        return self.chain[0]
+
+    @property
+    def final(self) -> str:
+        return self.chain[-1]
+
+    @property
+    def etag(self) -> str | None:
+        """The repo blob name this entry resolves through: its sha256 (LFS) or git sha1."""
+        for hop in self.chain[1:]:
+            parent, name = posixpath.split(hop)
+            if parent.endswith("/blobs") and parent.count("/") == 1:
+                return name
+        return None
+
+
+@dataclass(frozen=True)
+class RepoSnapshot:
+    """What one repo revision looks like on the source: the result of the walk."""
+
+    repo_id: str
+    revision: str
+    repo_dir: str
+    commit: str | None
+    entries: tuple[Entry, ...] = ()
+    excluded: tuple[str, ...] = ()
+    metadata: tuple[str, ...] = ()  # refs, trees/<commit>.json, .no_exist markers: copied byte-exact
+    problems: tuple[Problem, ...] = ()
+    tree_listing: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def snapshot_dir(self) -> str:
+        return f"{self.repo_dir}/snapshots/{self.commit}"
+
+
+def is_excluded(path: str, patterns: list[str]) -> bool:
+    """huggingface_hub's ignore_patterns rule (fnmatch, a trailing "/" means the whole folder),
+    so that offline snapshot_download(ignore_patterns=exclude) agrees with what was staged."""
+    for pattern in patterns:
+        if pattern.endswith("/"):
+            pattern += "*"
+        if fnmatch.fnmatch(path, pattern):
+            return True
+    return False
+
+
+class LinkError(Exception):
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+def resolve_chain(source: Source, rel: str) -> tuple[tuple[str, ...], Stat]:
+    """Follow `rel` link by link to a regular file inside the hub.
+
+    Returns the hops (hub-relative) and the final file's Stat. Raises LinkError
+    with kind escape (leaves the hub, after alias mapping), dangling, loop
+    (a cycle or more than MAX_HOPS links) or not_a_file.
+    """
+    hops = [rel]
+    current = rel
+    seen = {rel}
+    while True:
+        st = source.lstat(current)
+        if st is None:
+            raise LinkError("dangling", f"link target {source.display(current)} does not exist")
+        if st.kind == "file":
+            return tuple(hops), st
+        if st.kind != "link":
+            raise LinkError("not_a_file", f"{source.display(current)} is a {'directory' if st.kind == 'dir' else 'special file'}, not a regular file")
+        if len(hops) > MAX_HOPS:
+            raise LinkError("loop", f"more than {MAX_HOPS} link hops")
+        target = source.readlink(current)
+        if os.path.isabs(target):
+            nxt = source.absolute_to_rel(target)
+            if nxt is None:
+                raise LinkError("escape", f"absolute link to {target} is outside the NAS hub and its aliases")
+        else:
+            joined = posixpath.normpath(posixpath.join(posixpath.dirname(current), target))
+            if joined == ".." or joined.startswith("../"):
+                raise LinkError("escape", f"relative link {target!r} leaves the NAS hub")
+            nxt = joined
+        parent, name = posixpath.split(nxt)
+        real_parent = source.canonical_dir(parent)
+        if real_parent is None:
+            raise LinkError("escape", f"link target {target!r} resolves outside the NAS hub through a directory link")
+        nxt = posixpath.join(real_parent, name) if real_parent else name
+        if nxt in seen:
+            raise LinkError("loop", f"link cycle through {source.display(nxt)}")
+        seen.add(nxt)
+        hops.append(nxt)
+        current = nxt
+
+
+def resolve_revision(source: Source, repo_dir: str, revision: str) -> str | None:
+    """A 40-hex commit is taken as is; a branch or tag is read from refs/."""
+    if COMMIT.match(revision):
+        return revision
+    ref = f"{repo_dir}/refs/{revision}"
+    st = source.lstat(ref)
+    if st is None or st.kind != "file":
+        return None
+    text = source.read_small(ref, 128).decode("ascii", errors="replace").strip()
+    return text if COMMIT.match(text) else None
+
+
+def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -> RepoSnapshot:
+    """Read one repo revision from the source. Never raises for a bad entry: problems are collected."""
+    repo_dir = repo_dir_name(repo_id)
+    base = RepoSnapshot(repo_id, revision, repo_dir, None)
+    st = source.lstat(repo_dir)
+    if st is None or st.kind != "dir":
+        return _with(base, problems=(Problem(source.display(repo_dir), "missing", f"{repo_id} is not in the NAS hub"),))
+    commit = resolve_revision(source, repo_dir, revision)
+    snap_dir = f"{repo_dir}/snapshots/{commit}"
+    if commit is None or (source.lstat(snap_dir) or Stat("none", 0, 0, 0)).kind != "dir":
+        return _with(base, problems=(Problem(source.display(f"{repo_dir}/refs/{revision}"), "missing",
+                                             f"revision {revision!r} of {repo_id} has no snapshot on the NAS"),))
+    entries: list[Entry] = []
+    excluded: list[str] = []
+    problems: list[Problem] = []
+    for path, kind in _walk_snapshot(source, snap_dir, problems):
+        if is_excluded(path, exclude):
+            excluded.append(path)
+            continue
+        rel = f"{snap_dir}/{path}"
+        try:
+            if kind == "other":
+                raise LinkError("not_a_file", f"{source.display(rel)} is a special file, not a regular file")
+            chain, final = resolve_chain(source, rel)
+        except LinkError as exc:
+            problems.append(Problem(source.display(rel), exc.kind, exc.detail))
+            continue
+        except OSError as exc:
+            problems.append(Problem(source.display(rel), "unreadable", exc.strerror or str(exc)))
+            continue
+        entries.append(Entry(repo_id, path, chain, final.size, final.mtime_ns))
+    metadata = _metadata(source, repo_dir, commit)
+    return RepoSnapshot(repo_id, revision, repo_dir, commit, tuple(entries), tuple(excluded),
+                        tuple(metadata), tuple(problems), _tree_listing(source, repo_dir, commit))
+
+
+def _with(base: RepoSnapshot, **changes) -> RepoSnapshot:
+    return replace(base, **changes)
+
+
+def _walk_snapshot(source: Source, snap_dir: str, problems: list[Problem], prefix: str = ""):
+    """Yield (snapshot-relative path, kind) for every non-directory under the snapshot."""
+    here = f"{snap_dir}/{prefix}".rstrip("/")
+    try:
+        names = source.listdir(here)
+    except OSError as exc:
+        problems.append(Problem(source.display(here), "unreadable", exc.strerror or str(exc)))
+        return
+    for name in names:
+        if _is_junk(name):
+            continue
+        path = f"{prefix}{name}"
+        st = source.lstat(f"{snap_dir}/{path}")
+        if st is None:
+            continue
+        if st.kind == "dir":
+            yield from _walk_snapshot(source, snap_dir, problems, f"{path}/")
+        else:
+            yield path, st.kind
+
+
+def _is_junk(name: str) -> bool:
+    """Lock files, interrupted downloads and temp files are never staged."""
+    return name.endswith((".incomplete", ".lock")) or is_temp_name(name)
+
+
+def _metadata(source: Source, repo_dir: str, commit: str) -> list[str]:
+    """refs pointing at the staged commit, its trees/<commit>.json and its .no_exist markers.
+
+    Refs to other commits are left behind: huggingface_hub's scanner reports a
+    ref to a snapshot that is not in the cache as a corrupted repo.
+    """
+    found: list[str] = []
+    for rel in _files_under(source, f"{repo_dir}/refs"):
+        if source.read_small(rel, 128) == commit.encode():
+            found.append(rel)
+    for rel in (f"{repo_dir}/trees/{commit}.json",):
+        st = source.lstat(rel)
+        if st is not None and st.kind == "file":
+            found.append(rel)
+    found.extend(_files_under(source, f"{repo_dir}/.no_exist/{commit}"))
+    return found
+
+
+def _files_under(source: Source, rel_dir: str) -> list[str]:
+    st = source.lstat(rel_dir)
+    if st is None or st.kind != "dir":
+        return []
+    out = []
+    for name in source.listdir(rel_dir):
+        if _is_junk(name):
+            continue
+        rel = f"{rel_dir}/{name}"
+        child = source.lstat(rel)
+        if child is None:
+            continue
+        if child.kind == "dir":
+            out.extend(_files_under(source, rel))
+        elif child.kind == "file":
+            out.append(rel)
+    return out
+
+
+def _tree_listing(source: Source, repo_dir: str, commit: str) -> dict:
+    """`trees/<commit>.json` files map, used as a reference hash for real files."""
+    rel = f"{repo_dir}/trees/{commit}.json"
+    st = source.lstat(rel)
+    if st is None or st.kind != "file" or st.size > 64 * 1024 * 1024:
+        return {}
+    try:
+        data = json.loads(source.read_small(rel, st.size))
+        files = data.get("files") if isinstance(data, dict) else None
+        return files if isinstance(files, dict) else {}
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,177 @@
+"""The cluster manifest (`manifests/*.toml`): what each node stages, validated by pydantic.
+
+Every key that operators write is a field here; unknown keys are refused, because
+a typo such as `exlcude` would otherwise stage files the operator meant to keep
+on the NAS.  Errors name the file, the dotted key and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from stager.errors import BadInput
+from stager.units import parse_size
+
+DEFAULT_MANIFEST = Path("manifests/cluster.toml")
+MANIFEST_ENV = "STAGE_MANIFEST"
+
+# Hub repo ids: "name" or "owner/name", the characters the Hub itself allows.
+# Anything else (notably "..") could make a repo directory outside the hub.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def _size(value: object) -> int:
+    try:
+        return parse_size(value)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+
+
+ByteSize = Annotated[int, BeforeValidator(_size)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NasConfig(_Strict):
+    hub: str = Field(description="The NAS's Hugging Face hub cache: a path, or an sftp:// URL")
+    aliases: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("aliases")
+    @classmethod
+    def _absolute_aliases(cls, aliases: dict[str, str]) -> dict[str, str]:
+        for prefix, target in aliases.items():
+            if not prefix.startswith("/") or not target.startswith("/"):
+                raise ValueError(f"alias {prefix!r} = {target!r}: both sides must be absolute paths")
+        return aliases
+
+
+class ModelConfig(_Strict):
+    revision: str = "main"
+    exclude: list[str] = Field(default_factory=list)
+
+    @field_validator("revision")
+    @classmethod
+    def _safe_revision(cls, revision: str) -> str:
+        parts = revision.split("/")
+        if not revision or revision.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"expected a branch, tag or commit, got {revision!r}")
+        return revision
+
+
+class NodeConfig(_Strict):
+    hub: str = Field(description="Node-local hub cache: the mirror's destination")
+    reserve: ByteSize = 0
+    models: list[str] = Field(default_factory=list)
+    engram_dir: str | None = None
+    rank: int | None = Field(default=None, ge=0)
+    source: str | None = Field(default=None, description="Overrides nas.hub as this node's source")
+
+    @field_validator("hub", "engram_dir")
+    @classmethod
+    def _absolute(cls, path: str | None) -> str | None:
+        if path is not None and not os.path.isabs(path):
+            raise ValueError(f"expected an absolute path, got {path!r}")
+        return path
+
+
+class EngramConfig(_Strict):
+    model: str
+    world: int = Field(ge=1)
+    layout: Literal["floor", "heads"] = "floor"
+    engram_head_rows: list[int] | None = None
+    layers: list[int] | None = None
+
+
+class Manifest(_Strict):
+    nas: NasConfig
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    nodes: dict[str, NodeConfig] = Field(default_factory=dict)
+    engram: EngramConfig | None = None
+    path: str = Field(default="", exclude=True, description="Where the manifest was read from")
+
+    @field_validator("models")
+    @classmethod
+    def _repo_ids(cls, models: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        for repo_id in models:
+            if not _REPO_ID.match(repo_id) or ".." in repo_id:
+                raise ValueError(f"model {repo_id!r} is not a valid repo id (expected 'owner/name')")
+        return models
+
+    @model_validator(mode="after")
+    def _references_exist(self) -> "Manifest":
+        for name, node in self.nodes.items():
+            for repo_id in node.models:
+                if repo_id not in self.models:
+                    raise ValueError(f"nodes.{name}.models: {repo_id!r} has no [models.\"{repo_id}\"] table")
+        if self.engram is not None and self.engram.model not in self.models:
+            raise ValueError(f"engram.model: {self.engram.model!r} has no [models.\"{self.engram.model}\"] table")
+        return self
+
+    def node(self, name: str) -> NodeConfig:
+        if name not in self.nodes:
+            known = ", ".join(sorted(self.nodes)) or "none"
+            raise BadInput(f"{self.path}: nodes.{name}: no such node (known: {known})")
+        return self.nodes[name]
+
+    def source_for(self, node_name: str) -> str:
+        """Where this node stages from: its own `source` override, else the NAS hub."""
+        return self.node(node_name).source or self.nas.hub
+
+
+def _dotted(loc: tuple) -> str:
+    parts = []
+    for item in loc:
+        text = str(item)
+        parts.append(f'"{text}"' if re.search(r"[^A-Za-z0-9_-]", text) else text)
+    return ".".join(parts)
+
+
+def _describe(error: dict) -> str:
+    key = _dotted(tuple(p for p in error["loc"] if not str(p).startswith("function-")))
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"{key}: unknown key"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    message = error["msg"].removeprefix("Value error, ")
+    got = error.get("input")
+    if kind not in ("value_error", "assertion_error") and not isinstance(got, dict):
+        message = f"{message}, got {got!r}"
+    return f"{key}: {message}" if key else message
+
+
+def resolve_manifest_path(explicit: str | os.PathLike | None) -> Path:
+    """`--manifest`, else $STAGE_MANIFEST, else manifests/cluster.toml in the working directory."""
+    if explicit:
+        return Path(explicit)
+    if os.environ.get(MANIFEST_ENV):
+        return Path(os.environ[MANIFEST_ENV])
+    return DEFAULT_MANIFEST
+
+
+def load_manifest(explicit: str | os.PathLike | None = None) -> Manifest:
+    path = resolve_manifest_path(explicit)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInput(f"{path}: manifest not found (use --manifest PATH or set {MANIFEST_ENV})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{path}: cannot read manifest: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"{path}: not valid TOML: {exc}") from None
+    if "path" in raw:
+        raise BadInput(f"{path}: path: unknown key")
+    try:
+        return Manifest.model_validate({**raw, "path": str(path)})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise BadInput(f"{path}: {_describe(first)}{more}") from None

@@ -1,0 +1,166 @@
+"""Read-only look at the local hub and the source before planning.
+
+This is where "never trust size or mtime" is enforced: a local file of the right
+size is kept only if its fingerprint matches the source's (sampled, or full with
+--full).  NFS attributes go stale; a local blob with the right size and a newer
+mtime has been seen holding zeros from a preallocated partial copy.
+"""
+
+from __future__ import annotations
+
+import os
+import stat as stat_module
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from stager.fingerprint import Digest, Reference, full_digest, judge, sampled_digest
+from stager.hub import SHARED_MARKER, RepoSnapshot, is_shared_payload
+from stager.plan import LocalState, final_files, kept_hops, wanted_links
+from stager.source import LocalReader, Source
+
+META_LIMIT = 64 * 1024 * 1024
+
+
+class DigestCache:
+    """Source-side digests computed in this run, so the closing verify does not re-read the NAS."""
+
+    def __init__(self, source: Source, seed: int):
+        self.source = source
+        self.seed = seed
+        self._digests: dict[tuple[str, str], Digest] = {}
+        self._lock = threading.Lock()
+
+    def sampled(self, rel: str, *, fresh: bool = False) -> Digest:
+        key = (rel, f"sampled:{self.seed}")
+        with self._lock:
+            if not fresh and key in self._digests:
+                return self._digests[key]
+        try:
+            reader = self.source.open(rel, uncached=True)
+        except OSError as exc:
+            return Digest(key[1], None, None, exc.strerror or str(exc))
+        try:
+            digest = sampled_digest(reader, self.seed)
+        finally:
+            reader.close()
+        self.remember(rel, digest)
+        return digest
+
+    def full(self, rel: str, method: str, *, fresh: bool = False) -> Digest:
+        key = (rel, method)
+        with self._lock:
+            if not fresh and key in self._digests:
+                return self._digests[key]
+        try:
+            reader = self.source.open(rel, uncached=True)
+        except OSError as exc:
+            return Digest(method, None, None, exc.strerror or str(exc))
+        try:
+            digest = full_digest(reader, method)
+        finally:
+            reader.close()
+        self.remember(rel, digest)
+        return digest
+
+    def remember(self, rel: str, digest: Digest) -> None:
+        if digest.value is not None:
+            with self._lock:
+                self._digests[(rel, digest.method)] = digest
+
+
+def expected_digest(cache: DigestCache, source_rel: str, reference: Reference, full: bool, *,
+                    fresh: bool = False) -> Digest:
+    """What a correct local copy must hash to, by the method the ladder rung uses."""
+    if not full:
+        return cache.sampled(source_rel, fresh=fresh)
+    if reference.value is not None:
+        return Digest(reference.method, None, reference.value)
+    return cache.full(source_rel, reference.method, fresh=fresh)
+
+
+def local_digest(path: Path, reference: Reference, seed: int, full: bool) -> Digest:
+    try:
+        reader = LocalReader(str(path), uncached=False)
+    except OSError as exc:
+        return Digest(reference.method if full else f"sampled:{seed}", None, None, exc.strerror or str(exc))
+    try:
+        return full_digest(reader, reference.method) if full else sampled_digest(reader, seed)
+    finally:
+        reader.close()
+
+
+@dataclass(frozen=True)
+class Observation:
+    local: dict[str, LocalState]
+    meta_content: dict[str, bytes]
+
+
+def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cache: DigestCache,
+            *, full: bool, jobs: int) -> Observation:
+    local: dict[str, LocalState] = {}
+    finals = final_files(snapshots)
+
+    def look_at_final(dest: str) -> tuple[str, LocalState]:
+        entry, reference = finals[dest]
+        state = _lstat(local_hub / dest)
+        if state.kind == "file" and state.size == entry.size:
+            mine = local_digest(local_hub / dest, reference, cache.seed, full)
+            theirs = expected_digest(cache, entry.final, reference, full)
+            state = LocalState("file", state.size, state.inode, verdict=judge(mine, theirs))
+        return dest, state
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        local.update(pool.map(look_at_final, sorted(finals)))
+    for dest in wanted_links(snapshots):
+        local[dest] = _lstat(local_hub / dest)
+    meta_content = _metadata_content(source, snapshots)
+    for rel in meta_content:
+        state = _lstat(local_hub / rel)
+        if state.kind == "file" and state.size <= META_LIMIT:
+            state = LocalState("file", state.size, state.inode, content=(local_hub / rel).read_bytes())
+        local[rel] = state
+    return Observation(local, meta_content)
+
+
+def _lstat(path: Path) -> LocalState:
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return LocalState("absent")
+    if stat_module.S_ISLNK(st.st_mode):
+        return LocalState("link", link_target=os.readlink(path))
+    if stat_module.S_ISREG(st.st_mode):
+        return LocalState("file", st.st_size, (st.st_dev, st.st_ino))
+    return LocalState("dir" if stat_module.S_ISDIR(st.st_mode) else "other")
+
+
+def _metadata_content(source: Source, snapshots: list[RepoSnapshot]) -> dict[str, bytes]:
+    """Bytes of every metadata file to stage: refs, trees, .no_exist, and the shared-store records."""
+    content: dict[str, bytes] = {}
+    for snap in snapshots:
+        for rel in snap.metadata:
+            content[rel] = source.read_small(rel, META_LIMIT)
+    referrers: dict[str, set[str]] = {}
+    for snap in snapshots:
+        for entry in snap.entries:
+            hops = kept_hops(entry, snap.repo_dir)
+            for here, nxt in zip(hops, hops[1:]):
+                if is_shared_payload(nxt):
+                    referrers.setdefault(nxt, set()).add(here)
+    for payload, names in referrers.items():
+        manifest = f"{payload}.refs"
+        st = source.lstat(manifest)
+        nas_text = source.read_small(manifest, META_LIMIT) if st is not None and st.kind == "file" else b""
+        listed = set(nas_text.decode(errors="replace").splitlines())
+        # The NAS manifest is copied as is; referrers it does not list are appended, because
+        # huggingface_hub's cache cleaner would otherwise treat the local payload as garbage.
+        missing = "".join(f"{name}\n" for name in sorted(names) if name not in listed and name.count("/") == 2)
+        content[manifest] = nas_text + missing.encode()
+    if referrers:
+        st = source.lstat(SHARED_MARKER)
+        # Without the marker, huggingface_hub's scanner reports the root `blobs/` as a corrupted repo.
+        content[SHARED_MARKER] = source.read_small(SHARED_MARKER, 64) if st is not None and st.kind == "file" else b"1\n"
+    return content
+

@@ -1,0 +1,189 @@
+"""Read-only access to a source hub (the NAS, or a peer), addressed by hub-relative paths.
+
+Everything that reads the NAS goes through a `Source`, which offers no way to
+write: the NAS is read-only to this tool by construction, not by discipline.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from stager.errors import CannotRun
+
+
+@dataclass(frozen=True)
+class Stat:
+    kind: str  # "file", "dir", "link" or "other" (FIFO, socket, device)
+    size: int
+    mtime_ns: int
+    mode: int
+
+
+def stat_from_os(st: os.stat_result) -> Stat:
+    if stat.S_ISLNK(st.st_mode):
+        kind = "link"
+    elif stat.S_ISREG(st.st_mode):
+        kind = "file"
+    elif stat.S_ISDIR(st.st_mode):
+        kind = "dir"
+    else:
+        kind = "other"
+    return Stat(kind, st.st_size, st.st_mtime_ns, st.st_mode)
+
+
+class Reader(Protocol):
+    size: int
+
+    def pread(self, length: int, offset: int) -> bytes: ...
+
+    def readinto(self, buffer: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class Source(Protocol):
+    """A hub tree that can be listed and read, never written."""
+
+    url: str  # how reports name this source
+
+    def display(self, rel: str) -> str: ...
+
+    def lstat(self, rel: str) -> Stat | None: ...
+
+    def readlink(self, rel: str) -> str: ...
+
+    def listdir(self, rel: str) -> list[str]: ...
+
+    def read_small(self, rel: str, limit: int) -> bytes: ...
+
+    def canonical_dir(self, rel_dir: str) -> str | None:
+        """The hub-relative real path of a directory (following symlinks), None if it leaves the hub."""
+
+    def absolute_to_rel(self, target: str) -> str | None:
+        """Map an absolute link target written on the NAS to a hub-relative path, None if outside."""
+
+    def open(self, rel: str, *, uncached: bool) -> Reader: ...
+
+
+class LocalReader:
+    """Positioned reads on a local or NFS file. `uncached` drops the client's page cache
+    first, so a stale NFS client cache cannot answer for the server's bytes."""
+
+    def __init__(self, path: str, *, uncached: bool, sequential: bool = False):
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        st = os.fstat(self.fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self.fd)
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        self.size = st.st_size
+        self._pos = 0
+        if uncached:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if sequential:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def pread(self, length: int, offset: int) -> bytes:
+        chunks = []
+        while length > 0:
+            data = os.pread(self.fd, length, offset)
+            if not data:
+                break
+            chunks.append(data)
+            length -= len(data)
+            offset += len(data)
+        return b"".join(chunks)
+
+    def readinto(self, buffer: memoryview) -> int:
+        got = os.preadv(self.fd, [buffer], self._pos)
+        self._pos += got
+        return got
+
+    def drop_cache(self) -> None:
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class LocalSource:
+    """A hub on a local or NFS-mounted path."""
+
+    def __init__(self, hub: str, aliases: dict[str, str] | None = None):
+        self.url = hub
+        self.root = Path(hub)
+        self.aliases = dict(aliases or {})
+        if not self.root.is_dir():
+            raise CannotRun(f"NAS hub {hub} is not reachable (not a directory)")
+        # Absolute links may name the hub by its configured path or by its real path.
+        self._prefixes = sorted({os.path.normpath(hub), os.path.realpath(hub)}, key=len, reverse=True)
+        self._real_root = os.path.realpath(hub)
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel) if rel else str(self.root)
+
+    def display(self, rel: str) -> str:
+        return self.path(rel)
+
+    def lstat(self, rel: str) -> Stat | None:
+        try:
+            return stat_from_os(os.lstat(self.path(rel)))
+        except FileNotFoundError:
+            return None
+
+    def readlink(self, rel: str) -> str:
+        return os.readlink(self.path(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        return sorted(os.listdir(self.path(rel)))
+
+    def read_small(self, rel: str, limit: int) -> bytes:
+        with open(self.path(rel), "rb") as handle:
+            return handle.read(limit)
+
+    def canonical_dir(self, rel_dir: str) -> str | None:
+        real = os.path.realpath(self.path(rel_dir))
+        return _relative_inside(real, self._real_root)
+
+    def absolute_to_rel(self, target: str) -> str | None:
+        target = os.path.normpath(target)
+        for prefix, mapped in sorted(self.aliases.items(), key=lambda item: len(item[0]), reverse=True):
+            prefix = os.path.normpath(prefix)
+            if target == prefix or target.startswith(prefix + "/"):
+                target = os.path.normpath(mapped + target[len(prefix):])
+                break
+        for prefix in self._prefixes:
+            rel = _relative_inside(target, prefix)
+            if rel is not None:
+                return rel
+        return None
+
+    def open(self, rel: str, *, uncached: bool, sequential: bool = False) -> LocalReader:
+        return LocalReader(self.path(rel), uncached=uncached, sequential=sequential)
+
+
+def _relative_inside(path: str, root: str) -> str | None:
+    if path == root:
+        return ""
+    if path.startswith(root.rstrip("/") + "/"):
+        return path[len(root.rstrip("/")) + 1:]
+    return None
+
+
+def open_source(hub: str, aliases: dict[str, str]) -> Source:
+    """A Source for a path or URL. sftp:// sources need the optional paramiko dependency."""
+    if "://" in hub and not hub.startswith("file://"):
+        from stager.remote import open_remote_source
+
+        return open_remote_source(hub, aliases)
+    return LocalSource(hub.removeprefix("file://"), aliases)

@@ -1,0 +1,43 @@
+"""Byte sizes as operators write them ("20GiB") and as reports print them."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+    "p": 1024**5, "pib": 1024**5, "pb": 1000**5,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse "20GiB", "500 MB", "1.5T" or a plain integer into bytes.
+
+    Bare K/M/G/T are binary, as `df -h` prints them. Raises ValueError.
+    """
+    if isinstance(text, bool):
+        raise ValueError("expected a size, got a boolean")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError("a size cannot be negative")
+        return text
+    match = _SIZE.match(str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size like '20GiB' or '500MB', got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    """Binary units with two decimals: the figures operators compare with `df -h`."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,204 @@
+"""The verification ladder: structure, then sizes, then content (sampled, or full).
+
+Every staged entry must be a chain of relative links inside the local hub ending
+in a regular file whose content matches the source (sampled) or the strongest
+reference hash (full).  Results are typed problems; the CLI picks the exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from stager.fingerprint import Verdict, judge, reference_for
+from stager.hub import Entry, Problem, RepoSnapshot
+from stager.observe import DigestCache, expected_digest, local_digest
+from stager.plan import kept_hops
+
+
+@dataclass(frozen=True)
+class Subset:
+    """`--subset N/T`: the N-th of T deterministic buckets. N is taken modulo T, so 0-based
+    and 1-based cron expressions both cover every bucket in T runs."""
+
+    index: int
+    total: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Subset":
+        try:
+            index, total = (int(part) for part in text.split("/"))
+        except ValueError:
+            raise ValueError(f"--subset expects N/T such as 3/7, got {text!r}") from None
+        if total < 1 or index < 0 or index > total:
+            raise ValueError(f"--subset {text}: expected 0 <= N <= T and T >= 1")
+        return cls(index % total, total)
+
+    def contains(self, blob: str) -> bool:
+        return xxhash.xxh64_intdigest(blob.encode()) % self.total == self.index
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.total}"
+
+
+@dataclass
+class VerifyReport:
+    mode: str
+    seed: int | None
+    checked: int = 0
+    ok: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    links_ok: int = 0
+    excluded: list[str] = field(default_factory=list)
+    reread: list[str] = field(default_factory=list)  # matched on the second read: flaky source
+    subset: str | None = None
+
+    def count(self, kind: str) -> int:
+        return sum(1 for p in self.problems if p.kind == kind)
+
+    def merge(self, other: "VerifyReport") -> None:
+        self.checked += other.checked
+        self.ok += other.ok
+        self.problems.extend(other.problems)
+        self.links_ok += other.links_ok
+        self.excluded.extend(other.excluded)
+        self.reread.extend(other.reread)
+
+    def to_json(self) -> dict:
+        return {
+            "checked": self.checked,
+            "ok": self.ok,
+            "problems": [p.to_json() for p in self.problems],
+            "mode": self.mode,
+            "seed": self.seed,
+            "subset": self.subset,
+            "links_ok": self.links_ok,
+            "dangling": self.count("dangling"),
+            "remote": self.count("remote"),
+            "mismatches": self.count("mismatch"),
+            "missing": self.count("missing"),
+            "could_not_check": self.count("could_not_check"),
+            "excluded": self.excluded,
+            "matched_on_reread": self.reread,
+        }
+
+
+def check_local_chain(local_hub: Path, entry_rel: str) -> tuple[str | None, Problem | None, int]:
+    """Follow the staged entry's links. Returns (final hub-relative file, problem, links followed)."""
+    root = os.path.realpath(local_hub)
+    current = entry_rel
+    links = 0
+    for _ in range(41):
+        path = local_hub / current
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            kind = "missing" if current == entry_rel else "dangling"
+            return None, Problem(str(local_hub / entry_rel), kind,
+                                 "not staged" if kind == "missing" else f"link target {path} does not exist"), links
+        if stat.S_ISREG(st.st_mode):
+            return current, None, links
+        if not stat.S_ISLNK(st.st_mode):
+            return None, Problem(str(path), "not_a_file", "expected a regular file or a link"), links
+        target = os.readlink(path)
+        resolved = os.path.normpath(os.path.join(os.path.realpath(path.parent), target))
+        if os.path.isabs(target) or not (resolved + "/").startswith(root + "/"):
+            return None, Problem(str(local_hub / entry_rel), "remote",
+                                 f"link {path} -> {target} resolves outside the local hub"), links
+        current = os.path.relpath(resolved, root)
+        links += 1
+    return None, Problem(str(local_hub / entry_rel), "loop", "more than 40 link hops"), links
+
+
+def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cache: DigestCache, *,
+                     full: bool, subset: Subset | None = None, jobs: int = 4) -> VerifyReport:
+    report = VerifyReport("full" if full else "sampled", None if full else cache.seed,
+                          subset=str(subset) if subset else None)
+    work: list[tuple[Entry, RepoSnapshot, str]] = []
+    for snap in snapshots:
+        report.excluded.extend(snap.excluded)
+        for entry in snap.entries:
+            final, problem, links = check_local_chain(local_hub, entry.rel)
+            if subset is not None and not subset.contains(kept_hops(entry, snap.repo_dir)[-1]):
+                continue
+            report.checked += 1
+            if problem is not None:
+                report.problems.append(problem)
+                continue
+            report.links_ok += links
+            work.append((entry, snap, final))
+        report.checked += _check_metadata(source, local_hub, snap, report)
+
+    def content(item):
+        entry, snap, final = item
+        return item, _check_content(local_hub, entry, snap, final, cache, full)
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        for (entry, _snap, _final), (problem, reread) in pool.map(content, work):
+            if problem is not None:
+                report.problems.append(problem)
+            else:
+                report.ok += 1
+            if reread:
+                report.reread.append(str(local_hub / entry.rel))
+    return report
+
+
+def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str, cache: DigestCache,
+                   full: bool) -> tuple[Problem | None, bool]:
+    path = local_hub / final
+    reference = reference_for(entry, snap.tree_listing)
+    size = os.path.getsize(path)
+    if size != entry.size:
+        return Problem(str(local_hub / entry.rel), "mismatch", f"size {size} != source size {entry.size}"), False
+    verdict = judge(local_digest(path, reference, cache.seed, full), expected_digest(cache, entry.final, reference, full))
+    if verdict is Verdict.DIFFER:
+        # A mismatch is read again from both sides before it is believed (flaky NFS reads happen).
+        _drop_cache(path)
+        again = judge(local_digest(path, reference, cache.seed, full),
+                      expected_digest(cache, entry.final, reference, full, fresh=True))
+        if again is Verdict.MATCH:
+            return None, True
+        method = reference.method if full else "sampled xxh3-128"
+        return Problem(str(local_hub / entry.rel), "mismatch",
+                       f"{method} differs from the {reference.origin if full else 'source'}"), False
+    if verdict is Verdict.UNCHECKED:
+        return Problem(str(local_hub / entry.rel), "could_not_check",
+                       "no reference hash could be read for this file"), False
+    return None, False
+
+
+def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyReport) -> int:
+    """refs and trees must be byte-identical to the source's."""
+    checked = 0
+    for rel in snap.metadata:
+        if "/.no_exist/" in rel:
+            continue
+        checked += 1
+        try:
+            mine = (local_hub / rel).read_bytes()
+        except FileNotFoundError:
+            report.problems.append(Problem(str(local_hub / rel), "missing", "metadata file not staged"))
+            continue
+        if mine != source.read_small(rel, len(mine) + 1):
+            report.problems.append(Problem(str(local_hub / rel), "mismatch", "differs from the source copy"))
+        else:
+            report.ok += 1
+    return checked
+
+
+def _drop_cache(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
