@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run the whole test suite on a fresh machine: system tools (as root), a venv, then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+needed=(rsync rclone sshfs openssh-server b3sum time fuse3 util-linux coreutils)
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=()
+  for pkg in "${needed[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+fi
+
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e '.[test,fleet]'
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
