@@ -1,0 +1,74 @@
+"""Shared fixtures: real hub trees on disk and the real `stage` CLI in a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from hubgen import Hub  # noqa: E402
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self) -> dict:
+        return json.loads(self.stdout)
+
+
+def run_stage(*args: str, env: dict | None = None, timeout: float = 120, cwd: Path | None = None) -> Result:
+    """Run the real CLI (`python -m stager`) and capture everything."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "stager", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(path: Path, nas: Path, local: Path, models: dict[str, dict], *, reserve: str = "0",
+                   aliases: dict[str, str] | None = None, extra: str = "") -> Path:
+    """A manifest with one node `dgx1`. `models` maps repo id -> {revision, exclude}."""
+    lines = ["[nas]", f'hub = "{nas}"']
+    if aliases:
+        lines.append("aliases = { " + ", ".join(f'"{k}" = "{v}"' for k, v in aliases.items()) + " }")
+    for repo_id, cfg in models.items():
+        lines.append(f'\n[models."{repo_id}"]')
+        lines.append(f'revision = "{cfg.get("revision", "main")}"')
+        if cfg.get("exclude"):
+            lines.append("exclude = [" + ", ".join(f'"{g}"' for g in cfg["exclude"]) + "]")
+    lines += ["\n[nodes.dgx1]", f'hub = "{local}"', f'reserve = "{reserve}"',
+              "models = [" + ", ".join(f'"{m}"' for m in models) + "]"]
+    path.write_text("\n".join(lines) + "\n" + extra)
+    return path
+
+
+@pytest.fixture
+def nas_hub(tmp_path: Path) -> Hub:
+    return Hub(tmp_path / "nas" / "hf" / "hub")
+
+
+@pytest.fixture
+def local_hub(tmp_path: Path) -> Path:
+    return tmp_path / "nvme" / "hf" / "hub"
