@@ -52,7 +52,8 @@ def pseudo_random(seed: int, size: int) -> bytes:
 class Snapshot:
     repo: "Repo"
     commit: str
-    files: dict[str, dict] = field(default_factory=dict)
+    files: dict[str, dict] = field(default_factory=dict)  # the trees/<commit>.json listing
+    sha256: dict[str, str] = field(default_factory=dict)  # path -> sha256 of its content, for tests
 
     @property
     def dir(self) -> Path:
@@ -86,6 +87,7 @@ class Snapshot:
                 blob.write_bytes(data)
         self._link_to_blob(path, sha)
         self.files[path] = {"size": len(data), "blob_id": git_sha1(data), "lfs_sha256": sha, "lfs_size": len(data)}
+        self.sha256[path] = sha
         return sha
 
     def add_git(self, path: str, data: bytes) -> str:
@@ -97,6 +99,7 @@ class Snapshot:
             blob.write_bytes(data)
         self._link_to_blob(path, sha1)
         self.files[path] = {"size": len(data), "blob_id": sha1}
+        self.sha256[path] = hashlib.sha256(data).hexdigest()
         return sha1
 
     def add_real(self, path: str, data: bytes) -> Path:
@@ -104,6 +107,7 @@ class Snapshot:
         entry = self._entry(path)
         entry.write_bytes(data)
         self.files[path] = {"size": len(data), "blob_id": git_sha1(data)}
+        self.sha256[path] = hashlib.sha256(data).hexdigest()
         return entry
 
     def add_raw_link(self, path: str, target: str) -> Path:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import threading
 from typing import Callable
 
 import typer
@@ -33,10 +35,10 @@ def byte_progress(enabled: bool, desc: str) -> Callable[[int], Callable[[int], N
     def factory(total: int) -> Callable[[int], None]:
         from tqdm import tqdm
 
+        # A fresh pty (ssh -t, a launcher's pty) can report a 0x0 size; tqdm then draws nothing.
+        columns, lines = shutil.get_terminal_size((100, 20))
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
-                   dynamic_ncols=True, leave=True)
-        import threading
-
+                   ncols=columns or 100, nrows=lines or 20, leave=True)
         lock = threading.Lock()
 
         def update(n: int) -> None:
