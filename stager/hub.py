@@ -32,7 +32,9 @@ SHARED_MARKER = "blobs/.huggingface-shared-blobs"
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
 GIT_SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
-_SHARED_PAYLOAD = re.compile(r"^blobs/([0-9a-f]{2})/\1[0-9a-f]{62}$")
+# huggingface_hub names payloads blobs/<2 hex>/<64-hex xet hash>; any file two levels under the
+# hub-level blobs/ is treated as the shared store, so an older or foreign naming still stays shared.
+_SHARED_PAYLOAD = re.compile(r"^blobs/[^/]+/[^/]+$")
 # The kernel gives up after 40 links (ELOOP); so do we, which also bounds hostile chains.
 MAX_HOPS = 40
 
@@ -42,7 +44,7 @@ def repo_dir_name(repo_id: str, repo_type: str = "model") -> str:
 
 
 def is_shared_payload(rel: str) -> bool:
-    return bool(_SHARED_PAYLOAD.match(rel))
+    return bool(_SHARED_PAYLOAD.match(rel)) and not rel.endswith(".refs")
 
 
 @dataclass(frozen=True)
