@@ -12,6 +12,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import blake3
 
@@ -20,17 +21,23 @@ def git_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def safetensors_bytes(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict | None = None) -> bytes:
-    """Serialize {name: (dtype, shape, raw bytes)} in the safetensors format (8-byte LE header length,
-    JSON header, then the data), without importing safetensors."""
+def safetensors_header(tensors: dict[str, tuple[str, list[int], int]], metadata: dict | None = None) -> bytes:
+    """The safetensors prefix for {name: (dtype, shape, data bytes)}: 8-byte LE header length, then the
+    JSON header padded to 8 bytes. The tensors' data follows it in the same order."""
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
-    for name, (dtype, shape, raw) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
+    for name, (dtype, shape, nbytes) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(raw for _, _, raw in tensors.values())
+    return struct.pack("<Q", len(text)) + text
+
+
+def safetensors_bytes(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict | None = None) -> bytes:
+    """Serialize {name: (dtype, shape, raw bytes)} in the safetensors format, without importing safetensors."""
+    sizes = {name: (dtype, shape, len(raw)) for name, (dtype, shape, raw) in tensors.items()}
+    return safetensors_header(sizes, metadata) + b"".join(raw for _, _, raw in tensors.values())
 
 
 def random_safetensors(seed: int, tensor_bytes: int, names: int = 2, dtype: str = "F16") -> bytes:
@@ -46,6 +53,21 @@ def random_safetensors(seed: int, tensor_bytes: int, names: int = 2, dtype: str 
 def pseudo_random(seed: int, size: int) -> bytes:
     """Fast deterministic bytes (blake3 XOF), so fixtures of any size cost no RNG time."""
     return blake3.blake3(str(seed).encode()).digest(length=size)
+
+
+def streamed_safetensors(seed: int, tensor_bytes: int, chunk: int = 8 * 1024 * 1024) -> tuple[int, Iterator[bytes]]:
+    """(total size, chunks) of a one-tensor safetensors file too big to hold in memory (the bench's GiB
+    blobs). The data is pseudo_random(seed, ...) read through the XOF's seek, one chunk at a time."""
+    tensor_bytes = max(2, tensor_bytes // 2 * 2)
+    head = safetensors_header({"model.layers.0.weight": ("F16", [tensor_bytes // 2], tensor_bytes)})
+
+    def chunks() -> Iterator[bytes]:
+        yield head
+        xof = blake3.blake3(str(seed).encode())
+        for offset in range(0, tensor_bytes, chunk):
+            yield xof.digest(length=min(chunk, tensor_bytes - offset), seek=offset)
+
+    return len(head) + tensor_bytes, chunks()
 
 
 @dataclass
@@ -89,6 +111,37 @@ class Snapshot:
         self.files[path] = {"size": len(data), "blob_id": git_sha1(data), "lfs_sha256": sha, "lfs_size": len(data)}
         self.sha256[path] = sha
         return sha
+
+    def add_lfs_stream(self, path: str, size: int, chunks: Iterable[bytes], *, shared: bool = True) -> str:
+        """add_lfs for content too big for memory: the chunks are written once and hashed on the way."""
+        incoming = self.repo.hub.root / f".incoming-{os.getpid()}"
+        sha, sha1, xet = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % size), blake3.blake3(b"xet:")
+        written = 0
+        with open(incoming, "wb") as out:
+            for data in chunks:
+                for hasher in (sha, sha1, xet):
+                    hasher.update(data)
+                out.write(data)
+                written += len(data)
+        if written != size:
+            incoming.unlink()
+            raise ValueError(f"{path}: chunks held {written} bytes, expected {size}")
+        name = sha.hexdigest()
+        blob = self.repo.dir / "blobs" / name
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if blob.exists() or blob.is_symlink():
+            incoming.unlink()
+        elif shared:
+            xet_name = xet.hexdigest()
+            self.repo.hub.store_file(incoming, xet_name)
+            os.symlink(f"../../blobs/{xet_name[:2]}/{xet_name}", blob)
+            self.repo.hub.add_store_ref(xet_name, f"{self.repo.dir.name}/blobs/{name}")
+        else:
+            os.replace(incoming, blob)
+        self._link_to_blob(path, name)
+        self.files[path] = {"size": size, "blob_id": sha1.hexdigest(), "lfs_sha256": name, "lfs_size": size}
+        self.sha256[path] = name
+        return name
 
     def add_git(self, path: str, data: bytes) -> str:
         """A regular git file: blob named by its git sha1."""
@@ -157,6 +210,16 @@ class Hub:
     def store(self, data: bytes) -> str:
         """Put bytes in the hub-level shared store; returns the content (xet) hash naming it."""
         xet = blake3.blake3(b"xet:" + data).hexdigest()
+        payload = self._payload(xet)
+        if not payload.exists():
+            payload.write_bytes(data)
+        return xet
+
+    def store_file(self, path: Path, xet: str) -> None:
+        """Move an already written file into the shared store under its content hash."""
+        os.replace(path, self._payload(xet))
+
+    def _payload(self, xet: str) -> Path:
         store = self.root / "blobs"
         store.mkdir(exist_ok=True)
         marker = store / ".huggingface-shared-blobs"
@@ -164,9 +227,7 @@ class Hub:
             marker.write_text("1\n")
         payload = store / xet[:2] / xet
         payload.parent.mkdir(exist_ok=True)
-        if not payload.exists():
-            payload.write_bytes(data)
-        return xet
+        return payload
 
     def add_store_ref(self, xet: str, referrer: str) -> None:
         with open(self.root / "blobs" / xet[:2] / f"{xet}.refs", "a") as refs:
