@@ -90,3 +90,28 @@ def read_journal(path: Path) -> list[dict]:
         if isinstance(record, dict):
             records.append(record)
     return records
+
+
+MOVED_NAME = "MOVED.txt"
+
+
+def moved_block(*, destination: str, sums: str, host: str, time: str, files: list[tuple[str, int, str, str]]) -> str:
+    """One run's section of a MOVED.txt: where the files went and the per-file sha256.
+
+    `files` holds (sha256, bytes, name relative to the MOVED.txt, "copied" | "adopted").
+    The name comes last and uses the SHA256SUMS escaping, so every file line parses as
+    `<sha256>  <bytes>  <copied|adopted>  <name>` whatever the name holds.
+    """
+    total = sum(size for _, size, _, _ in files)
+    lines = [
+        f"destination: {destination}",
+        f"sums: {sums}",
+        f"time: {time}",
+        f"host: {host}",
+        f"bytes: {total}",
+        f"files: {len(files)}",
+    ]
+    for sha256, size, name, how in files:
+        prefix, written = _escape(name)
+        lines.append(f"{prefix}{sha256}  {size}  {how}  {written}")
+    return "\n".join(lines) + "\n"
