@@ -25,15 +25,19 @@ class Stat:
 
 
 def stat_from_os(st: os.stat_result) -> Stat:
-    if stat.S_ISLNK(st.st_mode):
+    return stat_from_mode(st.st_mode, st.st_size, st.st_mtime_ns)
+
+
+def stat_from_mode(mode: int, size: int, mtime_ns: int) -> Stat:
+    if stat.S_ISLNK(mode):
         kind = "link"
-    elif stat.S_ISREG(st.st_mode):
+    elif stat.S_ISREG(mode):
         kind = "file"
-    elif stat.S_ISDIR(st.st_mode):
+    elif stat.S_ISDIR(mode):
         kind = "dir"
     else:
         kind = "other"
-    return Stat(kind, st.st_size, st.st_mtime_ns, st.st_mode)
+    return Stat(kind, size, mtime_ns, mode)
 
 
 class Reader(Protocol):
@@ -153,26 +157,32 @@ class LocalSource:
 
     def canonical_dir(self, rel_dir: str) -> str | None:
         real = os.path.realpath(self.path(rel_dir))
-        return _relative_inside(real, self._real_root)
+        return relative_inside(real, self._real_root)
 
     def absolute_to_rel(self, target: str) -> str | None:
-        target = os.path.normpath(target)
-        for prefix, mapped in sorted(self.aliases.items(), key=lambda item: len(item[0]), reverse=True):
-            prefix = os.path.normpath(prefix)
-            if target == prefix or target.startswith(prefix + "/"):
-                target = os.path.normpath(mapped + target[len(prefix):])
-                break
-        for prefix in self._prefixes:
-            rel = _relative_inside(target, prefix)
-            if rel is not None:
-                return rel
-        return None
+        return absolute_to_rel(target, self.aliases, self._prefixes)
 
     def open(self, rel: str, *, uncached: bool, sequential: bool = False) -> LocalReader:
         return LocalReader(self.path(rel), uncached=uncached, sequential=sequential)
 
 
-def _relative_inside(path: str, root: str) -> str | None:
+def absolute_to_rel(target: str, aliases: dict[str, str], roots: list[str]) -> str | None:
+    """An absolute link target as a hub-relative path: the longest matching alias prefix is
+    replaced by its mapping first, then the result must lie under one of the hub's `roots`."""
+    target = os.path.normpath(target)
+    for prefix, mapped in sorted(aliases.items(), key=lambda item: len(item[0]), reverse=True):
+        prefix = os.path.normpath(prefix)
+        if target == prefix or target.startswith(prefix + "/"):
+            target = os.path.normpath(mapped + target[len(prefix):])
+            break
+    for root in roots:
+        rel = relative_inside(target, root)
+        if rel is not None:
+            return rel
+    return None
+
+
+def relative_inside(path: str, root: str) -> str | None:
     if path == root:
         return ""
     if path.startswith(root.rstrip("/") + "/"):
