@@ -234,6 +234,72 @@ class Hub:
             refs.write(referrer + "\n")
 
 
+ENGRAM_WEIGHT_BYTES = 256  # F8_E4M3 [rows, 256]
+ENGRAM_SCALE_BYTES = 8  # F8_E8M0 [rows, 8]
+
+
+@dataclass(frozen=True)
+class EngramCheckpoint:
+    """What add_engram_checkpoint wrote: the snapshot, the safetensors file and each layer's row count."""
+
+    snapshot: Snapshot
+    file: str
+    rows: dict[int, int]
+    prefix: str
+    sha256: str
+
+    def tensor(self, layer: int, part: str) -> str:
+        return f"{self.prefix}layers.{layer}.engram.embed.{part}"
+
+
+def add_engram_checkpoint(target: "Snapshot | Hub", repo_id: str | None = None, *, layers=(1, 14),
+                          rows: int | dict[int, int] = 4099, prefix: str = "model.", heads=None, seed: int = 0,
+                          file: str = "model-engram.safetensors", config: dict | None = None,
+                          weight_map: dict[str, str] | None = None, shared: bool = True, streamed: bool = True,
+                          absolute_via: str | None = None, chunk: int = 8 * 1024 * 1024) -> EngramCheckpoint:
+    """A DeepSeek-V4-style Engram checkpoint: for each layer, `{prefix}layers.{L}.engram.embed.weight`
+    (F8_E4M3, [rows, 256]) and `.scale` (F8_E8M0, [rows, 8]) in one safetensors file, plus
+    model.safetensors.index.json (`weight_map`, merged with the one given) and config.json (`config`
+    plus `engram_layer_ids`, and `engram_head_rows` when `heads` is given).
+
+    `target` is a Snapshot (the caller finishes it), or a Hub plus `repo_id` (a new repo, finished).
+    `rows` is one count for every layer or {layer: rows}. Bytes are blake3 XOF output read by seek, so
+    streamed=True (the default) writes a table of any size in `chunk` pieces, never whole in memory;
+    streamed=False builds the file in memory and can link it through an absolute `absolute_via` path.
+    """
+    snap = target.repo(repo_id).snapshot() if isinstance(target, Hub) else target
+    counts = {layer: rows[layer] if isinstance(rows, dict) else rows for layer in layers}
+    tensors: dict[str, tuple[str, list[int], int]] = {}
+    for layer, count in counts.items():
+        tensors[f"{prefix}layers.{layer}.engram.embed.weight"] = ("F8_E4M3", [count, ENGRAM_WEIGHT_BYTES],
+                                                                  count * ENGRAM_WEIGHT_BYTES)
+        tensors[f"{prefix}layers.{layer}.engram.embed.scale"] = ("F8_E8M0", [count, ENGRAM_SCALE_BYTES],
+                                                                 count * ENGRAM_SCALE_BYTES)
+    head = safetensors_header(tensors)
+
+    def chunks() -> Iterator[bytes]:
+        yield head
+        for name, (_dtype, _shape, nbytes) in tensors.items():
+            xof = blake3.blake3(f"engram:{seed}:{name}".encode())
+            for offset in range(0, nbytes, chunk):
+                yield xof.digest(length=min(chunk, nbytes - offset), seek=offset)
+
+    size = len(head) + sum(nbytes for _, _, nbytes in tensors.values())
+    if streamed:
+        sha = snap.add_lfs_stream(file, size, chunks(), shared=shared)
+    else:
+        sha = snap.add_lfs(file, b"".join(chunks()), shared=shared, absolute_via=absolute_via)
+    index = {"metadata": {"total_size": size}, "weight_map": {**(weight_map or {}), **{n: file for n in tensors}}}
+    snap.add_git("model.safetensors.index.json", json.dumps(index, indent=2).encode())
+    settings = {**(config or {"architectures": ["DeepseekV4ForCausalLM"]}), "engram_layer_ids": list(layers)}
+    if heads is not None:
+        settings["engram_head_rows"] = heads
+    snap.add_git("config.json", json.dumps(settings, indent=2).encode())
+    if isinstance(target, Hub):
+        snap.finish()
+    return EngramCheckpoint(snap, file, counts, prefix, sha)
+
+
 def build_demo(root: Path, *, scale: int = 1) -> Path:
     """A demo NAS under root/nas/hf/hub with the traps a real one has, a node hub under
     root/nvme, and root/cluster.toml pointing at both. Returns the manifest path."""
@@ -241,14 +307,15 @@ def build_demo(root: Path, *, scale: int = 1) -> Path:
     nas = root / "nas" / "hf" / "hub"
     hub = Hub(nas)
     flash = hub.repo("acme/Flash-3bpw").snapshot()
-    flash.add_git("config.json", json.dumps({"architectures": ["DeepseekV4ForCausalLM"]}).encode())
     index = {"metadata": {}, "weight_map": {}}
     for i in range(1, 4):
         name = f"model-0000{i}-of-00003.safetensors"
         data = random_safetensors(i, scale * 4 * 1024 * 1024)
         flash.add_lfs(name, data, shared=True, absolute_via="/volume1/hf/hub" if i == 2 else None)
         index["weight_map"][f"model.layers.{i}.weight"] = name
-    flash.add_git("model.safetensors.index.json", json.dumps(index).encode())
+    # A small two-layer Engram table (row counts that TP=3 does not divide) with its index and config.
+    add_engram_checkpoint(flash, layers=(1, 14), rows={1: 5003, 14: 5011}, weight_map=index["weight_map"],
+                          config={"architectures": ["DeepseekV4ForCausalLM"]})
     flash.add_real("tokenizer.json", json.dumps({"version": "1.0", "model": {"type": "BPE"}}).encode())
     flash.add_lfs("page15/experts.safetensors", random_safetensors(15, scale * 2 * 1024 * 1024), shared=False)
     flash.finish(no_exist=("generation_config.json",))
@@ -273,5 +340,11 @@ revision = "main"
 hub = "{root}/nvme/hf/hub"
 reserve = "64MiB"
 models = ["acme/Flash-3bpw", "acme/Flash-drafter"]
+engram_dir = "{root}/nvme/engram"
+rank = 0
+
+[engram]
+model = "acme/Flash-3bpw"
+world = 3
 """)
     return manifest

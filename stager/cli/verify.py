@@ -30,8 +30,13 @@ def verify(
         chosen = Subset.parse(subset) if subset else None
     except ValueError as exc:
         raise BadInput(str(exc)) from None
-    job = core.node_job(load_manifest(manifest), node, None, jobs=jobs or core.default_jobs(), seed=seed)
+    loaded = load_manifest(manifest)
+    job = core.node_job(loaded, node, None, jobs=jobs or core.default_jobs(), seed=seed)
     report = core.verify(job, full=full, subset=chosen)
+    if loaded.engram is not None and loaded.node(node).engram_dir:
+        from stager.engram import verify_engram
+
+        report.merge(verify_engram(loaded, node, full=full, seed=job.seed))
     if json:
         terminal.emit_json(report.to_json())
     else:

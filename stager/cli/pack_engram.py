@@ -1,0 +1,38 @@
+"""`stage pack-engram --rank R`: pack the node's Engram row shards from its staged checkpoint."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from stager.cli.app import JsonOpt, ManifestOpt, OptionalNodeOpt, app
+from stager.cli import terminal
+
+
+@app.command("pack-engram")
+def pack_engram(
+    rank: Annotated[Optional[int], typer.Option("--rank", "-r", help="TP rank [default: nodes.X.rank, else every rank]")] = None,
+    node: OptionalNodeOpt = None,
+    world: Annotated[Optional[int], typer.Option("--world", help="TP size [default: engram.world]")] = None,
+    layer: Annotated[Optional[list[int]], typer.Option("--layer", help="Only this layer (repeatable)")] = None,
+    from_nas: Annotated[bool, typer.Option("--from-nas", help="Read rows from the NAS if the model is not staged")] = False,
+    json: JsonOpt = False,
+    manifest: ManifestOpt = None,
+) -> None:
+    """Write engram-l{L}-r{R}of{TP}.bin shards, their receipts and SHA256SUMS; skip shards that match."""
+    from stager import engram
+    from stager.manifest import load_manifest
+
+    loaded = load_manifest(manifest)
+    name = engram.choose_node(loaded, node)
+    report = engram.pack(loaded, name, rank=rank, world=world, layers=layer, from_nas=from_nas,
+                         progress_factory=terminal.byte_progress(not json, "pack-engram"))
+    if json:
+        terminal.emit_json(report.to_json())
+        return
+    for shard in report.shards:
+        verb = "skipped" if shard.skipped else "packed "
+        terminal.say(f"{verb} {shard.spec.path} rows {shard.spec.lo}..{shard.spec.hi} "
+                     f"({terminal.size(shard.spec.bytes)}): {shard.reason}")
+    terminal.say(f"{name}: packed {terminal.size(report.packed_bytes)} from {report.source} in {report.seconds:.1f}s")
