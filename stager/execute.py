@@ -52,7 +52,10 @@ def inside(root: Path, rel: str) -> Path:
 def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bool, jobs: int,
             progress: Callable[[int], None] | None = None) -> ExecResult:
     tally = _Tally()
-    for directory in sorted({posixpath.dirname(c.dest) for c in plan.copies} | {posixpath.dirname(l.dest) for l in plan.links}):
+    # Every directory about to be written is swept, metadata ones too: a run killed while
+    # writing a shared-store `.refs` manifest left its temp file there for good.
+    writes = (*plan.copies, *plan.links, *plan.metadata, *plan.refs)
+    for directory in sorted({posixpath.dirname(w.dest) for w in writes}):
         ensure_dir(inside(local_hub, directory))
         sweep_temps(inside(local_hub, directory))
 
