@@ -21,6 +21,9 @@ from stager.units import parse_size
 DEFAULT_MANIFEST = Path("manifests/cluster.toml")
 MANIFEST_ENV = "STAGE_MANIFEST"
 
+# A node's SSH address for peers: [user@]host[:port]; a URL or a path here is a mistake.
+_SSH_ADDRESS = re.compile(r"^([A-Za-z0-9._-]+@)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?$")
+
 # Hub repo ids: "name" or "owner/name", the characters the Hub itself allows.
 # Anything else (notably "..") could make a repo directory outside the hub.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -73,6 +76,15 @@ class NodeConfig(_Strict):
     engram_dir: str | None = None
     rank: int | None = Field(default=None, ge=0)
     source: str | None = Field(default=None, description="Overrides nas.hub as this node's source")
+    address: str | None = Field(default=None, description="[user@]host[:port]: where peers reach this node's "
+                                "hub over SFTP (`stage fleet mirror --fan-out`)")
+
+    @field_validator("address")
+    @classmethod
+    def _ssh_address(cls, address: str | None) -> str | None:
+        if address is not None and not _SSH_ADDRESS.match(address):
+            raise ValueError(f"expected [user@]host[:port], got {address!r}")
+        return address
 
     @field_validator("hub", "engram_dir")
     @classmethod

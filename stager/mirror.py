@@ -35,6 +35,9 @@ class NodeJob:
     models: tuple[tuple[str, str, tuple[str, ...]], ...]  # (repo_id, revision, exclude)
     seed: int
     jobs: int
+    # The real NAS when `source` is something else (a peer): verification compares against it if reachable.
+    nas: str | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,7 +75,8 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
     for repo_id in chosen:
         if repo_id not in config.models:
             raise BadInput(f"{manifest.path}: nodes.{node}.models: {repo_id!r} is not staged on {node}")
-    source = open_source(source_override or manifest.source_for(node), manifest.nas.aliases)
+    url = source_override or manifest.source_for(node)
+    source = open_source(url, manifest.nas.aliases)
     return NodeJob(
         node=node,
         source=source,
@@ -81,11 +85,26 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
         models=tuple((r, manifest.models[r].revision, tuple(manifest.models[r].exclude)) for r in chosen),
         seed=secrets.randbits(32) if seed is None else seed,
         jobs=jobs,
+        nas=None if url == manifest.nas.hub else manifest.nas.hub,
+        aliases=dict(manifest.nas.aliases),
     )
 
 
-def walk(job: NodeJob) -> list[RepoSnapshot]:
-    return [walk_repo(job.source, repo_id, revision, list(exclude)) for repo_id, revision, exclude in job.models]
+def walk(job: NodeJob, source: Source | None = None) -> list[RepoSnapshot]:
+    source = source or job.source
+    return [walk_repo(source, repo_id, revision, list(exclude)) for repo_id, revision, exclude in job.models]
+
+
+def reference_source(job: NodeJob) -> Source:
+    """What verification compares against: the real NAS when the job stages from elsewhere and the
+    NAS is reachable, else the job's own source. A peer's copy is only as good as the peer, so the
+    NAS stays the reference whenever it answers."""
+    if job.nas is None:
+        return job.source
+    try:
+        return open_source(job.nas, job.aliases)
+    except CannotRun:
+        return job.source
 
 
 def free_bytes(path: Path) -> int:
@@ -124,7 +143,12 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, progress_factory: Callabl
         result = execute(plan, job.source, job.local_hub, cache, full=full, jobs=job.jobs, progress=progress)
         report.copied_files, report.copied_bytes = result.copied_files, result.copied_bytes
         report.problems.extend(result.problems)
-        report.verify = verify_snapshots(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs)
+        reference = reference_source(job)
+        if reference is job.source:  # reuses the source digests read while copying
+            report.verify = verify_snapshots(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs)
+            report.verify.against = job.source.url
+        else:
+            report.verify = verify(job, full=full, subset=None, reference=reference)
         known = {p.path for p in report.problems}
         report.problems.extend(p for p in report.verify.problems if p.path not in known)
     report.seconds = time.monotonic() - started
@@ -143,11 +167,13 @@ def _summarize(report: MirrorReport, plan: Plan, started: float) -> MirrorReport
     return report
 
 
-def verify(job: NodeJob, *, full: bool, subset: Subset | None) -> VerifyReport:
-    snapshots = walk(job)
-    cache = DigestCache(job.source, job.seed)
-    report = verify_snapshots(job.source, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs)
+def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source | None = None) -> VerifyReport:
+    reference = reference or reference_source(job)
+    snapshots = walk(job, reference)
+    cache = DigestCache(reference, job.seed)
+    report = verify_snapshots(reference, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs)
     report.problems[:0] = [p for s in snapshots for p in s.problems]
+    report.against = reference.url
     return report
 
 

@@ -57,6 +57,7 @@ class VerifyReport:
     excluded: list[str] = field(default_factory=list)
     reread: list[str] = field(default_factory=list)  # matched on the second read: flaky source
     subset: str | None = None
+    against: str | None = None  # the source the content was compared with: the NAS, or a peer
 
     def count(self, kind: str) -> int:
         return sum(1 for p in self.problems if p.kind == kind)
@@ -85,6 +86,7 @@ class VerifyReport:
             "could_not_check": self.count("could_not_check"),
             "excluded": self.excluded,
             "matched_on_reread": self.reread,
+            "verified_against": self.against,
         }
 
 

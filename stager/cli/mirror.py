@@ -19,13 +19,17 @@ def mirror(
     jobs: JobsOpt = None,
     json: JsonOpt = False,
     seed: SeedOpt = None,
+    source: Annotated[Optional[str], typer.Option(
+        "--source", help="Stage from this hub (a path, or sftp://[user@]host[:port]/path of a peer) "
+                         "instead of the manifest's; verification still compares against the NAS when it answers")] = None,
     manifest: ManifestOpt = None,
 ) -> None:
     """Mirror the node's models into its local hub, then verify them."""
     from stager import mirror as core
     from stager.manifest import load_manifest
 
-    job = core.node_job(load_manifest(manifest), node, model, jobs=jobs or core.default_jobs(), seed=seed)
+    job = core.node_job(load_manifest(manifest), node, model, jobs=jobs or core.default_jobs(), seed=seed,
+                         source_override=source)
     report = core.mirror(job, full=full, dry_run=dry_run, progress_factory=terminal.byte_progress(not json, "stage"))
     if json:
         terminal.emit_json(report.to_json())

@@ -1,0 +1,431 @@
+"""sftp:// sources: a peer node's verified local hub, or a NAS reached over SSH.
+
+`sftp://[user@]host[:port]/absolute/path/of/the/hub` is read through fsspec's
+sftp filesystem (paramiko) and offers the same read-only `Source` as a local
+path, so the walk resolves links with the same rules: `lstat` and `readlink`
+never follow a link, and a directory's real path comes from the server's own
+realpath(3) (SSH_FXP_REALPATH), so a directory link cannot smuggle a hop out of
+the hub.
+
+Authentication, in order (docs/fleet.md):
+- the key file named by $STAGE_SSH_KEY, alone;
+- else the `IdentityFile`s of the host in ~/.ssh/config, plus the ssh-agent;
+- else the ssh-agent and ~/.ssh/id_* (paramiko's defaults).
+`HostName`, `User` and `Port` in ~/.ssh/config apply; the URL's own user and
+port win.  The server's host key must already be in $STAGE_SSH_KNOWN_HOSTS,
+~/.ssh/known_hosts or /etc/ssh/ssh_known_hosts: an unknown key is refused,
+because a peer that answers for another's address could serve any bytes.
+
+Every network wait is bounded by $STAGE_SSH_TIMEOUT seconds (default 30):
+connecting, the handshake, authentication, and each reply while reading.  A
+host that cannot be reached or stops answering ends the command with exit 3.
+"""
+
+from __future__ import annotations
+
+import errno
+import getpass
+import os
+import posixpath
+import stat
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from stager.errors import BadInput, CannotRun
+from stager.source import Stat, absolute_to_rel, relative_inside, stat_from_mode
+
+SSH_KEY_ENV = "STAGE_SSH_KEY"
+KNOWN_HOSTS_ENV = "STAGE_SSH_KNOWN_HOSTS"
+TIMEOUT_ENV = "STAGE_SSH_TIMEOUT"
+DEFAULT_TIMEOUT = 30.0
+SSH_CONFIG = "~/.ssh/config"
+KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
+# OpenSSH allows 10 sessions per connection (MaxSessions); stay below it.
+SESSIONS_PER_CONNECTION = 8
+# Outstanding 32 KiB read requests per file: enough to fill a LAN link, bounded in memory.
+READS_IN_FLIGHT = 64
+READ_CHUNK = 1024 * 1024
+INSTALL_HINT = "sftp sources need paramiko: pip install 'stager[sftp]'"
+
+
+@dataclass(frozen=True)
+class SftpTarget:
+    """Where and as whom to connect, after ~/.ssh/config and the environment are applied."""
+
+    url: str
+    hostname: str
+    port: int
+    user: str
+    path: str
+    key_files: tuple[str, ...]
+    only_key_files: bool  # $STAGE_SSH_KEY: try that key alone, not the agent's
+    timeout: float
+
+
+def ssh_timeout() -> float:
+    text = os.environ.get(TIMEOUT_ENV)
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise BadInput(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds above 0")
+    return value
+
+
+def resolve_target(url: str) -> SftpTarget:
+    """Parse `sftp://[user@]host[:port]/path` and apply ~/.ssh/config and $STAGE_SSH_KEY."""
+    import paramiko
+
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise BadInput(f"sftp source {url}: the port is not a number") from None
+    if parts.scheme != "sftp":
+        raise BadInput(f"source {url}: only sftp:// URLs are supported besides local paths")
+    if not parts.hostname or not parts.path.startswith("/"):
+        raise BadInput(f"source {url}: expected sftp://[user@]host[:port]/absolute/path")
+    if parts.password is not None:
+        raise BadInput(f"sftp source {url}: passwords in URLs are refused (manifests get copied); use a key")
+    config = paramiko.SSHConfigDict()
+    config_path = Path(SSH_CONFIG).expanduser()
+    if config_path.is_file():
+        try:
+            config = paramiko.SSHConfig.from_path(str(config_path)).lookup(parts.hostname)
+        except (OSError, paramiko.SSHException, ValueError) as exc:
+            raise BadInput(f"{config_path}: cannot read it: {exc}") from None
+    key = os.environ.get(SSH_KEY_ENV)
+    if key and not os.path.isfile(key):
+        raise BadInput(f"{SSH_KEY_ENV}={key}: no such key file")
+    keys = (key,) if key else tuple(os.path.expanduser(k) for k in config.get("identityfile", []))
+    try:
+        config_port = int(config.get("port", 22))
+    except ValueError:
+        raise BadInput(f"{config_path}: Port of {parts.hostname} is not a number") from None
+    return SftpTarget(
+        url=url,
+        hostname=config.get("hostname", parts.hostname),
+        port=port or config_port,
+        user=parts.username or config.get("user") or getpass.getuser(),
+        path=posixpath.normpath(parts.path),
+        key_files=keys,
+        only_key_files=bool(key),
+        timeout=ssh_timeout(),
+    )
+
+
+def _known_host_keys():
+    import paramiko
+
+    keys = paramiko.HostKeys()
+    extra = os.environ.get(KNOWN_HOSTS_ENV)
+    if extra and not os.path.isfile(extra):
+        raise BadInput(f"{KNOWN_HOSTS_ENV}={extra}: no such file")
+    for name in ((extra,) if extra else ()) + KNOWN_HOSTS:
+        path = os.path.expanduser(name)
+        if os.path.isfile(path):
+            try:
+                keys.load(path)
+            except (OSError, paramiko.SSHException, ValueError) as exc:
+                raise BadInput(f"{path}: cannot read known hosts: {exc}") from None
+    return keys
+
+
+def _host_key_policy(known):
+    import paramiko
+
+    class KnownHostsOnly(paramiko.MissingHostKeyPolicy):
+        """Accept a server only by a key already listed for its name (never learn a new one)."""
+
+        def missing_host_key(self, client, hostname, key):
+            listed = known.lookup(hostname)
+            if listed is None:
+                raise paramiko.SSHException(
+                    f"the host key of {hostname} is not in any known_hosts file; add it with "
+                    f"`ssh-keyscan {_keyscan_args(hostname)} >> ~/.ssh/known_hosts` after checking it, "
+                    f"or point {KNOWN_HOSTS_ENV} at a file that lists it")
+            if not known.check(hostname, key):
+                raise paramiko.SSHException(
+                    f"the host key of {hostname} does not match its known_hosts entry: "
+                    f"refusing to read from a host that may not be {hostname}")
+
+    return KnownHostsOnly()
+
+
+def _keyscan_args(hostname: str) -> str:
+    if hostname.startswith("["):
+        host, _, port = hostname[1:].partition("]:")
+        return f"-p {port} {host}"
+    return hostname
+
+
+def _known_key_types_only(known, target: SftpTarget) -> dict:
+    """Ask the server for a host key type we have on file, as OpenSSH does; otherwise a host
+    listed only by its RSA key would present ed25519 first and be refused as unknown."""
+    import paramiko
+
+    name = target.hostname if target.port == 22 else f"[{target.hostname}]:{target.port}"
+    listed = known.lookup(name)
+    if not listed:
+        return {}
+    types = set(listed.keys())
+    if "ssh-rsa" in types:
+        types |= {"rsa-sha2-512", "rsa-sha2-256"}
+    others = [t for t in paramiko.Transport._preferred_keys if t not in types]
+    return {"disabled_algorithms": {"keys": others}} if len(others) < len(paramiko.Transport._preferred_keys) else {}
+
+
+def connect(target: SftpTarget):
+    """One SSH connection with its first SFTP session (fsspec's `.ftp`). CannotRun if unreachable."""
+    import paramiko
+    from fsspec.implementations.sftp import SFTPFileSystem
+
+    known = _known_host_keys()
+    where = f"{target.hostname}:{target.port}"
+    try:
+        fs = SFTPFileSystem(
+            target.hostname, port=target.port, username=target.user,
+            key_filename=list(target.key_files) or None,
+            look_for_keys=not target.key_files, allow_agent=not target.only_key_files,
+            timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
+            channel_timeout=target.timeout, host_key_policy=_host_key_policy(known),
+            skip_instance_cache=True, **_known_key_types_only(known, target))
+    except paramiko.AuthenticationException as exc:
+        raise CannotRun(f"sftp source {target.url}: ssh authentication as {target.user} on {where} failed ({exc}); "
+                        f"set {SSH_KEY_ENV} or an IdentityFile in ~/.ssh/config") from None
+    except TimeoutError:
+        raise CannotRun(f"sftp source {target.url}: {where} did not answer within {target.timeout:g}s") from None
+    except (paramiko.SSHException, EOFError) as exc:
+        raise CannotRun(f"sftp source {target.url}: ssh to {where} failed: {exc}") from None
+    except OSError as exc:
+        raise CannotRun(f"sftp source {target.url}: cannot reach {where}: {exc.strerror or exc}") from None
+    fs.ftp.get_channel().settimeout(target.timeout)
+    return fs
+
+
+class _Sessions:
+    """SFTP sessions lent to one thread at a time.
+
+    paramiko's SFTPClient reads replies without holding its lock, so two threads
+    sharing one session interleave packets. A thread that needs a session while
+    all are lent gets a new one at once (never waits: the copier opens the same
+    file twice in one thread), on a new connection past MaxSessions.
+    """
+
+    def __init__(self, target: SftpTarget):
+        self.target = target
+        self._lock = threading.Lock()
+        self._idle: list = []
+        self._connections: list[list] = []  # [fsspec filesystem, sessions opened on it]
+
+    def take(self):
+        import paramiko
+
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            for conn in self._connections:
+                if conn[1] >= SESSIONS_PER_CONNECTION:
+                    continue
+                try:
+                    sftp = conn[0].client.open_sftp()
+                except paramiko.ChannelException:
+                    conn[1] = SESSIONS_PER_CONNECTION  # the server allows fewer sessions: use another connection
+                    continue
+                except (paramiko.SSHException, EOFError, OSError) as exc:
+                    raise CannotRun(f"sftp source {self.target.url}: connection lost: {exc}") from None
+                conn[1] += 1
+                sftp.get_channel().settimeout(self.target.timeout)
+                return sftp
+            fs = connect(self.target)
+            self._connections.append([fs, 1])
+            return fs.ftp
+
+    def give(self, sftp) -> None:
+        with self._lock:
+            self._idle.append(sftp)
+
+
+class RemoteSource:
+    """A hub on another host, read over SFTP."""
+
+    def __init__(self, url: str, aliases: dict[str, str] | None = None):
+        self.url = url
+        self.target = resolve_target(url)
+        self.aliases = dict(aliases or {})
+        self._sessions = _Sessions(self.target)
+        self._canonical: dict[str, str | None] = {}
+        root = self.target.path
+        with self._session(f"opening {root}") as sftp:
+            try:
+                attrs = sftp.stat(root)
+                real_root = sftp.normalize(root)
+            except OSError as exc:
+                raise CannotRun(f"sftp source {url}: {root} is not readable on {self.target.hostname}: "
+                                f"{exc.strerror or exc}") from None
+        if not _is_dir(attrs.st_mode):
+            raise CannotRun(f"sftp source {url}: {root} is not a directory on {self.target.hostname}")
+        self._real_root = real_root
+        # Absolute links may name the hub by the path in the URL or by its real path on the server.
+        self._roots = sorted({root, real_root}, key=len, reverse=True)
+
+    def path(self, rel: str) -> str:
+        return posixpath.join(self.target.path, rel) if rel else self.target.path
+
+    def display(self, rel: str) -> str:
+        return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    @contextmanager
+    def _session(self, what: str):
+        sftp = self._sessions.take()
+        try:
+            with self._failures(sftp, what):
+                yield sftp
+        finally:
+            self._sessions.give(sftp)
+
+    @contextmanager
+    def _failures(self, sftp, what: str):
+        """A lost or silent connection ends the run (exit 3); a missing or unreadable file stays
+        an OSError, which the walk and the copier report as a problem with that file."""
+        import paramiko
+
+        try:
+            yield
+        except TimeoutError:
+            raise CannotRun(f"sftp source {self.url}: no reply within {self.target.timeout:g}s while {what}") from None
+        except paramiko.SSHException as exc:
+            raise CannotRun(f"sftp source {self.url}: connection lost while {what}: {exc}") from None
+        except EOFError as exc:
+            if not _alive(sftp):
+                raise CannotRun(f"sftp source {self.url}: connection lost while {what}") from None
+            # SSH_FX_EOF inside the size read at open: the file shrank under us.
+            raise OSError(errno.EIO, f"the file ended early while {what}: {exc}") from None
+        except OSError:
+            if not _alive(sftp):
+                raise CannotRun(f"sftp source {self.url}: connection lost while {what}") from None
+            raise
+
+    def lstat(self, rel: str) -> Stat | None:
+        with self._session(f"reading the attributes of {rel}") as sftp:
+            try:
+                attrs = sftp.lstat(self.path(rel))
+            except FileNotFoundError:
+                return None
+        # SFTP v3 carries whole seconds only.
+        return stat_from_mode(attrs.st_mode or 0, attrs.st_size or 0, int(attrs.st_mtime or 0) * 1_000_000_000)
+
+    def readlink(self, rel: str) -> str:
+        with self._session(f"reading the link {rel}") as sftp:
+            return sftp.readlink(self.path(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        with self._session(f"listing {rel}") as sftp:
+            return sorted(sftp.listdir(self.path(rel)))
+
+    def read_small(self, rel: str, limit: int) -> bytes:
+        with self._session(f"reading {rel}") as sftp:
+            with sftp.open(self.path(rel), "rb") as handle:
+                return handle.read(limit)
+
+    def canonical_dir(self, rel_dir: str) -> str | None:
+        if rel_dir not in self._canonical:
+            with self._session(f"resolving {rel_dir}") as sftp:
+                real = _realpath(sftp, self.path(rel_dir))
+            self._canonical[rel_dir] = relative_inside(real, self._real_root)
+        return self._canonical[rel_dir]
+
+    def absolute_to_rel(self, target: str) -> str | None:
+        return absolute_to_rel(target, self.aliases, self._roots)
+
+    def open(self, rel: str, *, uncached: bool, sequential: bool = False) -> "RemoteReader":
+        """`uncached` and `sequential` have no remote equivalent: the server reads through its own
+        page cache, and reads are pipelined (READS_IN_FLIGHT) whatever the access pattern."""
+        st = self.lstat(rel)
+        if st is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.display(rel))
+        if st.kind != "file":
+            raise OSError(errno.EINVAL, "not a regular file", self.display(rel))
+        sftp = self._sessions.take()
+        try:
+            with self._failures(sftp, f"opening {rel}"):
+                handle = sftp.open(self.path(rel), "rb")
+                size = handle.stat().st_size
+        except BaseException:
+            self._sessions.give(sftp)
+            raise
+        return RemoteReader(self, sftp, handle, size, rel)
+
+
+class RemoteReader:
+    """Positioned reads of one remote file on a session lent to it until `close`."""
+
+    def __init__(self, source: RemoteSource, sftp, handle, size: int, rel: str):
+        self._source = source
+        self._sftp = sftp
+        self._handle = handle
+        self._rel = rel
+        self._pos = 0
+        self.size = size
+
+    def _chunks(self, length: int, offset: int):
+        """The bytes at offset..offset+length (clamped to the size), as pipelined 1 MiB pieces."""
+        length = max(0, min(length, self.size - offset))
+        pieces = [(at, min(READ_CHUNK, offset + length - at)) for at in range(offset, offset + length, READ_CHUNK)]
+        if pieces:
+            with self._source._failures(self._sftp, f"reading {self._rel}"):
+                yield from self._handle.readv(pieces, READS_IN_FLIGHT)
+
+    def pread(self, length: int, offset: int) -> bytes:
+        return b"".join(self._chunks(length, offset))
+
+    def readinto(self, buffer: memoryview) -> int:
+        got = 0
+        for data in self._chunks(len(buffer), self._pos):
+            buffer[got:got + len(data)] = data
+            got += len(data)
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        try:
+            with self._source._failures(self._sftp, f"closing {self._rel}"):
+                self._handle.close()
+        finally:
+            self._source._sessions.give(self._sftp)
+
+
+def _is_dir(mode: int | None) -> bool:
+    return mode is not None and stat.S_ISDIR(mode)
+
+
+def _alive(sftp) -> bool:
+    channel = sftp.get_channel()
+    return not channel.closed and channel.get_transport().is_active()
+
+
+def _realpath(sftp, path: str) -> str:
+    """The server's realpath(3), lenient like os.path.realpath: a missing tail is kept as written,
+    so a link to a missing file is reported as dangling rather than as leaving the hub."""
+    try:
+        return sftp.normalize(path)
+    except FileNotFoundError:
+        parent, name = posixpath.split(path)
+        if parent == path:
+            return path
+        return posixpath.join(_realpath(sftp, parent), name)
+
+
+def open_remote_source(url: str, aliases: dict[str, str]) -> RemoteSource:
+    try:
+        import paramiko  # noqa: F401
+        import fsspec.implementations.sftp  # noqa: F401
+    except ImportError:
+        raise CannotRun(INSTALL_HINT) from None
+    return RemoteSource(url, aliases)
