@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from stager.atomic import atomic_file, atomic_symlink, atomic_write_bytes, ensure_dir, sweep_temps
+from stager.atomic import atomic_file, atomic_symlink, atomic_write_bytes, ensure_dir, fsync_dir, sweep_temps
 from stager.copier import copy_into
 from stager.errors import StageError
 from stager.fingerprint import Digest, Verdict, judge, new_hasher, sampled_digest
 from stager.hub import Problem
 from stager.observe import DigestCache
-from stager.plan import CopyFile, Plan
+from stager.plan import CopyFile, MakeLink, Plan
 
 
 @dataclass(frozen=True)
@@ -85,19 +85,48 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
             for future in futures:
                 future.cancel()
             raise
+    # The copies renamed without a directory fsync each; one per directory makes them durable
+    # before any link or ref can point at them.
+    _fsync_dirs(local_hub, (c.dest for c in plan.copies if c.dest not in tally.failed))
 
-    # Links are made from the blob end back to the snapshot entry, and never to a file that failed.
-    for link in sorted(plan.links, key=lambda l: -l.dest.count("/")):
-        target = posixpath.normpath(posixpath.join(posixpath.dirname(link.dest), link.target))
-        if target in tally.failed:
+    # Links are made from the blob end back to the snapshot entry, and only to a hop that already
+    # ends in a file that did not fail: a kill between two links never leaves one dangling.
+    for link in _blob_end_first(plan.links):
+        target = _target(link)
+        if target in tally.failed or not inside(local_hub, target).is_file():
+            tally.failed.add(link.dest)
             continue
         ensure_dir(inside(local_hub, posixpath.dirname(link.dest)))
-        atomic_symlink(link.target, inside(local_hub, link.dest))
+        atomic_symlink(link.target, inside(local_hub, link.dest), sync_dir=False)
+    _fsync_dirs(local_hub, (link.dest for link in plan.links if link.dest not in tally.failed))
     for meta in (*plan.metadata, *plan.refs):
         path = inside(local_hub, meta.dest)
         ensure_dir(path.parent)
         atomic_write_bytes(path, meta.content)
     return ExecResult(tally.files, tally.bytes, tuple(tally.problems))
+
+
+def _fsync_dirs(local_hub: Path, dests) -> None:
+    for directory in sorted({posixpath.dirname(dest) for dest in dests}):
+        fsync_dir(inside(local_hub, directory))
+
+
+def _target(link: MakeLink) -> str:
+    return posixpath.normpath(posixpath.join(posixpath.dirname(link.dest), link.target))
+
+
+def _blob_end_first(links: tuple[MakeLink, ...]) -> list[MakeLink]:
+    """Each link after the planned link it points to. Sorting by path depth got this backwards:
+    the snapshot entry is the deepest path, so it was made before the repo blob link it needs."""
+    targets = {link.dest: _target(link) for link in links}
+
+    def planned_hops(dest: str) -> int:
+        hops = 0
+        while dest in targets and hops <= len(targets):  # the bound stops a (never planned) cycle
+            dest, hops = targets[dest], hops + 1
+        return hops
+
+    return sorted(links, key=lambda link: (planned_hops(link.dest), link.dest))
 
 
 class _Mismatch(Exception):
@@ -116,7 +145,11 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
         if reader.size != copy.size:
             raise _Mismatch(f"source size changed from {copy.size} to {reader.size} since the walk")
         hasher = new_hasher(copy.reference.method, copy.size) if full else None
-        with atomic_file(dest, size_hint=copy.size, mtime_ns=copy.mtime_ns) as out:
+        if not full:
+            # Sampled through the reader the copy uses, before the copy: the copy then finds the
+            # sampled pages cached, where a second uncached open read a small file twice from the NAS.
+            cache.remember(copy.source, sampled_digest(reader, cache.seed))
+        with atomic_file(dest, size_hint=copy.size, mtime_ns=copy.mtime_ns, sync_dir=False) as out:
             copy_into(reader, out, copy.size, hasher, progress)
             if full:
                 got = Digest(copy.reference.method, copy.size, hasher.hexdigest())
@@ -132,6 +165,8 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
                 raise _Mismatch(
                     f"copied bytes do not match the {copy.reference.origin if full else 'source sample'}"
                     f" ({got.method}: {got.value} != {expected.value})")
+        if full:
+            cache.remember_written(dest, got)
         if hasattr(reader, "drop_cache"):
             reader.drop_cache()
     finally:
