@@ -1,0 +1,287 @@
+"""Shared machinery for the reliability suites: real faults (kill -9, tmpfs, read-only binds),
+a byte-level picture of a tree, and the invariants every fault must leave intact.
+
+The promise under test: never a wrong byte under a final name, never a write to the
+NAS, never a file from outside the hub staged, and a re-run always converges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Result, run_stage, sha256_file, write_manifest
+from hubgen import Hub, Snapshot, random_safetensors
+from stager.atomic import is_temp_name
+
+MiB = 1024 * 1024
+MODEL = "acme/Weights"
+STAGE = [sys.executable, "-m", "stager"]
+LOCK_DIR = ".locks"
+
+
+def needs_root() -> None:
+    """mount(2) needs root; CI runs as root, so these suites run there."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for mount")
+
+
+# ---------------------------------------------------------------- fixtures on disk
+
+@dataclass
+class Staging:
+    """A NAS hub with one model, a manifest, and the node-local hub it stages into."""
+
+    root: Path
+    nas: Path
+    local: Path
+    manifest: Path
+    snapshot: Snapshot
+
+    def stage(self, *args: str, timeout: float = 60) -> Result:
+        return run_stage(*args, "--node", "dgx1", "--manifest", self.manifest, timeout=timeout)
+
+    def mirror(self, *args: str, timeout: float = 60) -> Result:
+        return self.stage("mirror", "--json", *args, timeout=timeout)
+
+    def verify_full(self) -> Result:
+        return self.stage("verify", "--full", "--json")
+
+    def command(self, *args: str) -> list[str]:
+        return [*STAGE, *args, "--node", "dgx1", "--manifest", str(self.manifest)]
+
+
+def build_staging(root: Path, *, shards: int, shard_bytes: int, local: Path | None = None,
+                  reserve: str = "0", nas: Path | None = None) -> Staging:
+    """A model of `shards` safetensors shards (alternating shared-store two-hop links and plain
+    repo blobs), a git-blob config and a real file inside the snapshot."""
+    nas = nas or root / "nas" / "hf" / "hub"
+    local = local or root / "nvme" / "hf" / "hub"
+    snap = Hub(nas).repo(MODEL).snapshot()
+    snap.add_git("config.json", b'{"architectures": ["DeepseekV4ForCausalLM"]}')
+    for i in range(shards):
+        snap.add_lfs(f"model-{i + 1:05d}-of-{shards:05d}.safetensors", random_safetensors(i + 1, shard_bytes),
+                     shared=i % 2 == 0)
+    snap.add_real("tokenizer.json", b'{"model": {"type": "BPE"}, "added_tokens": []}')
+    snap.finish(no_exist=("generation_config.json",))
+    manifest = write_manifest(root / "cluster.toml", nas, local, {MODEL: {}}, reserve=reserve)
+    return Staging(root, nas, local, manifest, snap)
+
+
+def run_json(result: Result) -> dict:
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.json
+
+
+def assert_converged(staging: Staging) -> None:
+    """A re-run succeeds, a full verify passes, and nothing temporary is left behind."""
+    rerun = staging.mirror()
+    assert rerun.code == 0, rerun.stderr + rerun.stdout
+    full = staging.verify_full()
+    assert full.code == 0, full.stderr + full.stdout
+    report = run_json(full)
+    assert report["ok"] == report["checked"] > 0 and not report["problems"]
+    assert temp_files(staging.local) == [], temp_files(staging.local)
+    assert_hub_truthful(staging.local, staging.nas, staging.snapshot)
+
+
+# ---------------------------------------------------------------- what a tree looks like
+
+def tree_state(root: Path) -> dict[str, tuple]:
+    """Every entry under `root` (root included): type, size, mtime_ns, mode, link target and
+    content hash. Two equal states mean nothing was written, touched, chmodded or renamed."""
+    state: dict[str, tuple] = {}
+
+    def record(path: str) -> None:
+        st = os.lstat(path)
+        rel = os.path.relpath(path, root)
+        if stat.S_ISLNK(st.st_mode):
+            state[rel] = ("link", st.st_mtime_ns, st.st_mode, os.readlink(path))
+        elif stat.S_ISREG(st.st_mode):
+            state[rel] = ("file", st.st_size, st.st_mtime_ns, st.st_mode, sha256_file(Path(path)))
+        elif stat.S_ISDIR(st.st_mode):
+            state[rel] = ("dir", st.st_mtime_ns, st.st_mode)
+        else:  # FIFOs and sockets: never opened, a read could block
+            state[rel] = ("other", st.st_mtime_ns, st.st_mode)
+
+    record(str(root))
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            record(os.path.join(directory, name))
+    return state
+
+
+def assert_same_state(before: dict[str, tuple], after: dict[str, tuple], what: str) -> None:
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"{what} changed: " + ", ".join(
+        f"{k}: {before.get(k)} -> {after.get(k)}" for k in changed[:10])
+
+
+@contextlib.contextmanager
+def untouched(*roots: Path, what: str = "NAS") -> Iterator[None]:
+    """Assert that nothing under `roots` changes while the body runs."""
+    before = [tree_state(root) for root in roots]
+    yield
+    for root, state in zip(roots, before):
+        assert_same_state(state, tree_state(root), f"{what} {root}")
+
+
+def temp_files(root: Path) -> list[str]:
+    found = []
+    for directory, _dirs, files in os.walk(root):
+        found.extend(os.path.join(directory, name) for name in files if is_temp_name(name))
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class HubCheck:
+    files: int  # regular files under final names, each byte-identical to the NAS
+    links: int
+    temps: int  # temp files a killed run left (never under a final name)
+    ref_present: bool
+
+
+def assert_hub_truthful(local: Path, nas: Path, snap: Snapshot | None = None) -> HubCheck:
+    """Every file under a final name in the local hub holds exactly the NAS's bytes for the
+    same hub path; every link is relative, stays in the hub and ends in such a file; and a ref
+    exists only once every entry of its snapshot is staged."""
+    files = links = temps = 0
+    if not local.exists():
+        return HubCheck(0, 0, 0, False)
+    real_local = os.path.realpath(local)
+    for directory, dirs, names in os.walk(local):
+        if os.path.samefile(directory, local) and LOCK_DIR in dirs:
+            dirs.remove(LOCK_DIR)
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
+            path = os.path.join(directory, name)
+            rel = os.path.relpath(path, local)
+            if is_temp_name(name):
+                temps += 1
+                continue
+            if os.path.islink(path):
+                target = os.readlink(path)
+                assert not os.path.isabs(target), f"{rel} -> {target} is absolute"
+                resolved = os.path.realpath(path)
+                assert resolved.startswith(real_local + "/"), f"{rel} resolves outside the local hub: {resolved}"
+                assert os.path.isfile(resolved), f"{rel} -> {target} does not end in a file"
+                links += 1
+                continue
+            assert sha256_file(Path(path)) == nas_sha256(nas / rel), f"{rel}: bytes differ from the NAS"
+            files += 1
+    ref_present = False
+    if snap is not None:
+        ref = local / snap.repo.dir.name / "refs" / "main"
+        ref_present = ref.exists()
+        if ref_present:
+            for path, sha in snap.sha256.items():
+                staged = local / snap.repo.dir.name / "snapshots" / snap.commit / path
+                assert staged.exists(), f"refs/main was written before {path} was staged"
+                assert sha256_file(staged) == sha
+    return HubCheck(files, links, temps, ref_present)
+
+
+_NAS_HASHES: dict[tuple, str] = {}
+
+
+def nas_sha256(path: Path) -> str:
+    """sha256 of a NAS file, remembered per (inode, size, mtime): trials hash the same NAS many times."""
+    st = os.stat(path)
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _NAS_HASHES:
+        _NAS_HASHES[key] = sha256_file(path)
+    return _NAS_HASHES[key]
+
+
+def fs_listing(*roots: Path, skip: tuple[Path, ...] = ()) -> dict[str, tuple]:
+    """Names, types and sizes around the configured roots: a write outside them shows up here."""
+    listing: dict[str, tuple] = {}
+    skipped = {os.path.realpath(p) for p in skip}
+    for root in roots:
+        for directory, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(directory, d)) not in skipped]
+            for name in dirs + files:
+                path = os.path.join(directory, name)
+                st = os.lstat(path)
+                listing[path] = (stat.S_IFMT(st.st_mode), st.st_size if stat.S_ISREG(st.st_mode) else 0)
+    return listing
+
+
+# ---------------------------------------------------------------- real faults
+
+@contextlib.contextmanager
+def tmpfs(mountpoint: Path, size: int) -> Iterator[Path]:
+    """A real tmpfs of `size` bytes; unmounted on the way out whatever happened."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)], check=True)
+    try:
+        yield mountpoint
+    finally:
+        _umount(mountpoint)
+
+
+@contextlib.contextmanager
+def read_only_bind(source: Path, mountpoint: Path) -> Iterator[Path]:
+    """`source` seen read-only at `mountpoint` (bind, then remount the bind read-only)."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(source), str(mountpoint)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mountpoint)], check=True)
+        yield mountpoint
+    finally:
+        _umount(mountpoint)
+
+
+def _umount(mountpoint: Path) -> None:
+    if subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=True)  # a straggler still has it open
+
+
+def kill_at(command: list[str], delay: float, *, after=None, cwd: Path | None = None) -> tuple[int, str]:
+    """Start the real CLI and SIGKILL it `delay` seconds later, counted from start or, with
+    `after`, from the moment `after()` first holds (polled every 2 ms). Returns (exit status,
+    stderr); -9 means it was killed, anything else that it finished first."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd)
+    try:
+        while after is not None and proc.poll() is None and not after():
+            time.sleep(0.002)
+        proc.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, 9)
+    _out, err = proc.communicate(timeout=60)
+    return proc.returncode, err.decode(errors="replace")
+
+
+def copying(root: Path):
+    """A trigger for kill_at: a temp file exists under `root`, so a copy is in flight."""
+    return lambda: bool(temp_files(root))
+
+
+@dataclass(frozen=True)
+class Timing:
+    total: float  # seconds from start to exit
+    busy: float  # seconds from the first temp file (first write in flight) to exit
+
+
+def calibrate(command: list[str], written: Path) -> Timing:
+    """Time one uninterrupted run (it must succeed): the windows kill delays are drawn from.
+    Measured, not assumed, because CI machines differ and share their cores."""
+    started = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first_write = None
+    while proc.poll() is None:
+        if first_write is None and temp_files(written):
+            first_write = time.monotonic()
+        time.sleep(0.002)
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr.read().decode(errors="replace")
+    return Timing(ended - started, ended - (first_write or started))
