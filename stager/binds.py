@@ -6,8 +6,8 @@ HF_HUB_CACHE is the same inside and out), with the same layout as any hub:
 - A model staged whole (every entry local, nothing excluded, its ref local) is one bind of its
   local repo directory, plus one bind of the hub-level shared store if its links go through it.
   Inside, it is an ordinary hub repo: links, blobs, refs, trees.
-- Any other model is composed file by file: its ref, then one bind per snapshot file, from the
-  local hub when staged there, else from the NAS. Each source is the *resolved* regular file,
+- Any other model is composed file by file: its ref and `trees/<commit>.json`, then one bind
+  per snapshot file, from the local hub when staged there, else from the NAS. Each source is the *resolved* regular file,
   so the container never follows a link (NAS links may be absolute, or lead into a shared store
   that is not mounted), and the file looks like a real file in the snapshot.
 
@@ -133,12 +133,23 @@ def model_binds(nas: LocalSource, local_hub: Path, container_hub: str, repo_id: 
         if shared and not any(b.target == f"{container_hub}/{SHARED_STORE}" for b in out.binds):
             out.binds.append(Bind(str(local_hub / SHARED_STORE), f"{container_hub}/{SHARED_STORE}", "local", "", 0))
         return
+    # The ref resolves the revision offline; the trees listing lets huggingface_hub tell a
+    # complete snapshot from a partial one (every listed file is bound, excluded ones from the NAS).
     if not COMMIT.match(revision):
-        ref = f"{snap.repo_dir}/refs/{revision}"
-        ref_local = _local_ref_ok(local_hub, snap)
-        out.binds.append(Bind(str(local_hub / ref) if ref_local else nas.path(ref), f"{container_hub}/{ref}",
-                              "local" if ref_local else "nas", repo_id, 0))
+        out.binds.append(_metadata_bind(nas, local_hub, container_hub, f"{snap.repo_dir}/refs/{revision}",
+                                        _local_ref_ok(local_hub, snap), repo_id))
+    trees = f"{snap.repo_dir}/trees/{snap.commit}.json"
+    local_trees = (local_hub / trees).is_file()
+    if local_trees or nas.lstat(trees) is not None:
+        out.binds.append(_metadata_bind(nas, local_hub, container_hub, trees, local_trees, repo_id))
     out.binds.extend(Bind(source, target, origin, repo_id, 1) for origin, source, target in placed)
+
+
+def _metadata_bind(nas: LocalSource, local_hub: Path, container_hub: str, rel: str, local_ok: bool,
+                   repo_id: str) -> Bind:
+    if local_ok:
+        return Bind(str(local_hub / rel), f"{container_hub}/{rel}", "local", repo_id, 0)
+    return Bind(nas.path(rel), f"{container_hub}/{rel}", "nas", repo_id, 0)
 
 
 def node_binds(manifest: Manifest, node: str, container_hub: str | None) -> BindList:
