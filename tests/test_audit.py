@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import run_stage
+from conftest import REPO, run_stage
 from hubgen import build_demo, pseudo_random
 from ops_fixtures import MiB, stage, tmpfs
 
@@ -211,3 +214,38 @@ def test_human_output_ends_with_the_status_line(demo):
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[-1].startswith("STAGE OK: dgx1: ")
     assert "needs" in result.stderr
+
+
+def test_shipped_schedules_run_the_audit(demo, tmp_path):
+    """The crontab line and the systemd pair: every 15 minutes, and their command works as written."""
+    set_reserve(demo["manifest"], "4MiB")
+    scripts = REPO / "scripts"
+    [line] = [l for l in (scripts / "stage-audit.cron").read_text().splitlines() if l and l[0] in "*0123456789"]
+    minute, hour, dom, month, dow, user, command = line.split(None, 6)
+    assert (minute, hour, dom, month, dow, user) == ("*/15", "*", "*", "*", "*", "root")
+    stage_bin = str(Path(sys.executable).with_name("stage"))
+    cron_command = (command.replace("/usr/local/bin/stage", stage_bin).replace('"$(hostname -s)"', "dgx1")
+                    .replace("/var/lib/node_exporter/textfile_collector/stage.prom", str(demo["prom"]))
+                    .replace("/var/log/stage-audit.log", str(tmp_path / "audit.log"))
+                    .replace("/run/stage-audit.lock", str(tmp_path / "audit.lock")))
+    demo["prom"].parent.mkdir(exist_ok=True)
+    ran = subprocess.run(["sh", "-c", cron_command], env={**os.environ, "STAGE_MANIFEST": str(demo["manifest"])})
+    assert ran.returncode == 0
+    assert (tmp_path / "audit.log").read_text().strip().splitlines()[-1].startswith("STAGE OK: dgx1:")
+    assert metrics(demo["prom"])[("stage_audit_ok", (("node", "dgx1"),))] == 1
+
+    timer = (scripts / "stage-audit.timer").read_text()
+    assert "OnCalendar=*:0/15" in timer
+    service = (scripts / "stage-audit.service").read_text()
+    assert "ExecStart=/usr/local/bin/stage audit --node ${STAGE_NODE} --prom ${STAGE_PROM}" in service
+    if shutil.which("systemd-analyze"):
+        units = tmp_path / "units"
+        units.mkdir()
+        (units / "stage-audit.service").write_text(service.replace("/usr/local/bin/stage", stage_bin))
+        (units / "stage-audit.timer").write_text(timer)
+        verify = subprocess.run(["systemd-analyze", "verify", "--man=no", str(units / "stage-audit.service"),
+                                 str(units / "stage-audit.timer")], capture_output=True, text=True)
+        assert verify.returncode == 0, verify.stderr
+        calendar = subprocess.run(["systemd-analyze", "calendar", "--iterations=2", "*:0/15"],
+                                  capture_output=True, text=True, check=True).stdout
+        assert "*-*-* *:00/15:00" in calendar
