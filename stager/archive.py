@@ -426,17 +426,27 @@ def _move(step: Step, dest: Path, log: MovedLog, progress, report: ArchiveReport
               "name": file.name, "bytes": file.size, "sha256": sha256, "action": how,
               "verified": "sha256 of the source stream equals sha256 re-read from DEST"}
     append_journal(dest / JOURNAL_NAME, record)
-    log.record(file, sha256, how)
+    moved = {"source": str(file.path), "dest": str(target), "bytes": file.size, "sha256": sha256, "action": how,
+             "source_deleted": False}
+    try:
+        log.record(file, sha256, how)
+    except (OSError, CannotRun) as exc:
+        # No signpost, no delete: a source must never vanish without saying where it went.
+        report.problems.append(Problem(str(file.group / MOVED_NAME), "not_deleted",
+                                       f"copied and verified, but MOVED.txt could not be written "
+                                       f"({getattr(exc, 'message', None) or exc}); the source was kept"))
+        return moved
     try:
         _unchanged(file)
         os.unlink(file.path)
+        moved["source_deleted"] = True
         fsync_dir(file.path.parent)
     except _Mismatch as exc:
         report.problems.append(Problem(str(file.path), "changed", str(exc)))
     except OSError as exc:
         report.problems.append(Problem(str(file.path), "not_deleted",
                                        f"copied and verified, but the source could not be deleted: {exc.strerror or exc}"))
-    return {"source": str(file.path), "dest": str(target), "bytes": file.size, "sha256": sha256, "action": how}
+    return moved
 
 
 def _prune_empty_dirs(group: Path) -> None:

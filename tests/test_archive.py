@@ -18,7 +18,7 @@ import pytest
 
 from conftest import run_stage, sha256_file
 from hubgen import pseudo_random
-from ops_fixtures import MiB, tmpfs
+from ops_fixtures import MiB, needs_root, tmpfs, umount
 from stager.atomic import is_temp_name
 from stager.records import read_sums
 
@@ -301,3 +301,25 @@ def test_named_symlink_is_reported_not_followed(tree, tmp_path):
     assert result.json["problems"][0]["kind"] == "symlink"
     assert link.is_symlink() and (tree["src"] / "engram-l1-r0of2.bin").exists()
     assert not (tree["dest"] / "shards-link").exists()
+
+
+def test_read_only_source_keeps_the_file_and_says_why(tree, tmp_path):
+    """SRC on a read-only mount: the copy is made and verified, but with no MOVED.txt there is no
+    delete, because a source must never vanish without a note saying where it went."""
+    needs_root()
+    view = tmp_path / "ro"
+    view.mkdir()
+    subprocess.run(["mount", "--bind", str(tree["src"]), str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        result = run_stage("archive", view / "engram-l1-r0of2.bin", tree["dest"], "--json")
+    finally:
+        umount(view)
+    assert result.code == 1, result.stderr
+    [problem] = result.json["problems"]
+    assert problem["kind"] == "not_deleted" and "MOVED.txt could not be written" in problem["detail"]
+    [moved] = result.json["files"]
+    assert moved["source_deleted"] is False
+    assert sha256_file(tree["src"] / "engram-l1-r0of2.bin") == tree["sums"]["engram-l1-r0of2.bin"]
+    assert sha256_file(tree["dest"] / "engram-l1-r0of2.bin") == tree["sums"]["engram-l1-r0of2.bin"]
+    sha256sum_check(tree["dest"])
