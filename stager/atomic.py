@@ -71,12 +71,16 @@ class AtomicFile:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: int | None = None) -> Iterator[AtomicFile]:
+def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: int | None = None,
+                sync_dir: bool = True) -> Iterator[AtomicFile]:
     """Write `path` atomically. The temp file is removed if the body raises.
 
     `size_hint` preallocates (ENOSPC surfaces before any byte is copied, and the
     extent stays contiguous); `mtime_ns` is applied before the rename so the
-    final name never carries a wrong mtime.
+    final name never carries a wrong mtime.  `sync_dir=False` leaves the
+    directory fsync to a caller that renames many files into one directory and
+    fsyncs it once: each fsync is a journal commit, and one per file cost 1,000
+    small files about a sixth of their copy time.
     """
     path = Path(path)
     temp = temp_path_for(path)
@@ -95,7 +99,8 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
         os.close(fd)
         fd = -1
         os.replace(temp, path)
-        fsync_dir(path.parent)
+        if sync_dir:
+            fsync_dir(path.parent)
     except OSError as exc:
         _discard(fd, temp)
         raise_if_disk_full(exc, path)
@@ -127,13 +132,14 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644, mtime_ns: 
         out.write(data)
 
 
-def _atomic_place(path: Path, make) -> None:
+def _atomic_place(path: Path, make, sync_dir: bool = True) -> None:
     path = Path(path)
     temp = temp_path_for(path)
     try:
         make(temp)
         os.replace(temp, path)
-        fsync_dir(path.parent)
+        if sync_dir:
+            fsync_dir(path.parent)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(temp)
@@ -141,9 +147,9 @@ def _atomic_place(path: Path, make) -> None:
         raise
 
 
-def atomic_symlink(target: str, path: Path) -> None:
+def atomic_symlink(target: str, path: Path, *, sync_dir: bool = True) -> None:
     """Create or replace the symlink `path -> target` (replacing never fails with EEXIST)."""
-    _atomic_place(path, lambda temp: os.symlink(target, temp))
+    _atomic_place(path, lambda temp: os.symlink(target, temp), sync_dir)
 
 
 def atomic_hardlink(existing: Path, path: Path) -> None:

@@ -30,6 +30,7 @@ class DigestCache:
         self.source = source
         self.seed = seed
         self._digests: dict[tuple[str, str], Digest] = {}
+        self._written: dict[str, tuple[tuple[int, int, int, int], Digest]] = {}
         self._lock = threading.Lock()
 
     def sampled(self, rel: str, *, fresh: bool = False) -> Digest:
@@ -68,6 +69,25 @@ class DigestCache:
         if digest.value is not None:
             with self._lock:
                 self._digests[(rel, digest.method)] = digest
+
+    def remember_written(self, path: Path, digest: Digest) -> None:
+        """The full hash of the bytes this run wrote at local `path`, taken during the copy and
+        matched against the reference before the rename."""
+        key = _identity(path)
+        if key is not None:
+            with self._lock:
+                self._written[str(path)] = (key, digest)
+
+    def written(self, path: Path, method: str) -> Digest | None:
+        """That hash again, if `path` is still the very file written (same inode, size and mtime).
+
+        The closing verify of `mirror --full` reads it instead of hashing every byte a second
+        time: re-reading made --full cost twice the copy.  `stage verify --full` always reads."""
+        with self._lock:
+            key, digest = self._written.get(str(path), (None, None))
+        if digest is None or digest.method != method or _identity(path) != key:
+            return None
+        return digest
 
 
 def expected_digest(cache: DigestCache, source_rel: str, reference: Reference, full: bool, *,
@@ -122,6 +142,14 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
             state = LocalState("file", state.size, state.inode, content=(local_hub / rel).read_bytes())
         local[rel] = state
     return Observation(local, meta_content)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _lstat(path: Path) -> LocalState:

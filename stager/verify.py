@@ -158,7 +158,8 @@ def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str
     size = os.path.getsize(path)
     if size != entry.size:
         return Problem(str(local_hub / entry.rel), "mismatch", f"size {size} != source size {entry.size}"), False
-    verdict = judge(local_digest(path, reference, cache.seed, full), expected_digest(cache, entry.final, reference, full))
+    mine = (cache.written(path, reference.method) if full else None) or local_digest(path, reference, cache.seed, full)
+    verdict = judge(mine, expected_digest(cache, entry.final, reference, full))
     if verdict is Verdict.DIFFER:
         # A mismatch is read again from both sides before it is believed (flaky NFS reads happen).
         _drop_cache(path)
