@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Result, run_stage, sha256_file, write_manifest
-from hubgen import Hub, Snapshot, random_safetensors
+from hubgen import Hub, Snapshot, add_engram_checkpoint, random_safetensors
 from stager.atomic import is_temp_name
 
 MiB = 1024 * 1024
@@ -47,6 +47,7 @@ class Staging:
     local: Path
     manifest: Path
     snapshot: Snapshot
+    engram_dir: Path
 
     def stage(self, *args: str, timeout: float = 60) -> Result:
         return run_stage(*args, "--node", "dgx1", "--manifest", self.manifest, timeout=timeout)
@@ -61,21 +62,31 @@ class Staging:
         return [*STAGE, *args, "--node", "dgx1", "--manifest", str(self.manifest)]
 
 
+ENGRAM_WORLD = 3
+
+
 def build_staging(root: Path, *, shards: int, shard_bytes: int, local: Path | None = None,
-                  reserve: str = "0", nas: Path | None = None) -> Staging:
+                  reserve: str = "0", nas: Path | None = None, engram: dict[int, int] | None = None) -> Staging:
     """A model of `shards` safetensors shards (alternating shared-store two-hop links and plain
-    repo blobs), a git-blob config and a real file inside the snapshot."""
+    repo blobs), a git-blob config and a real file inside the snapshot. `engram` ({layer: rows})
+    adds an Engram table packed for TP=ENGRAM_WORLD into <root>/nvme/engram."""
     nas = nas or root / "nas" / "hf" / "hub"
     local = local or root / "nvme" / "hf" / "hub"
+    engram_dir = root / "nvme" / "engram"
     snap = Hub(nas).repo(MODEL).snapshot()
-    snap.add_git("config.json", b'{"architectures": ["DeepseekV4ForCausalLM"]}')
+    extra = ""
+    if engram:
+        add_engram_checkpoint(snap, layers=tuple(engram), rows=engram)  # writes config.json and the index
+        extra = (f'engram_dir = "{engram_dir}"\n\n[engram]\nmodel = "{MODEL}"\nworld = {ENGRAM_WORLD}\n')
+    else:
+        snap.add_git("config.json", b'{"architectures": ["DeepseekV4ForCausalLM"]}')
     for i in range(shards):
         snap.add_lfs(f"model-{i + 1:05d}-of-{shards:05d}.safetensors", random_safetensors(i + 1, shard_bytes),
                      shared=i % 2 == 0)
     snap.add_real("tokenizer.json", b'{"model": {"type": "BPE"}, "added_tokens": []}')
     snap.finish(no_exist=("generation_config.json",))
-    manifest = write_manifest(root / "cluster.toml", nas, local, {MODEL: {}}, reserve=reserve)
-    return Staging(root, nas, local, manifest, snap)
+    manifest = write_manifest(root / "cluster.toml", nas, local, {MODEL: {}}, reserve=reserve, extra=extra)
+    return Staging(root, nas, local, manifest, snap, engram_dir)
 
 
 def run_json(result: Result) -> dict:

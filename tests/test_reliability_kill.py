@@ -3,17 +3,28 @@ and the next run converges to a result that passes `stage verify --full`."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
+import shutil
+import struct
+import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 
-from reliability_support import (MiB, assert_converged, assert_hub_truthful, build_staging, calibrate, copying,
-                                 kill_at, untouched)
+from reliability_support import (ENGRAM_WORLD as WORLD, MiB, assert_converged, assert_hub_truthful, build_staging,
+                                 STAGE, calibrate, copying, kill_at, random_safetensors, run_json, sha256_file,
+                                 temp_files, untouched)
+from stager.atomic import is_temp_name
 
 TRIALS = 20
+# Row counts TP=3 does not divide; a few MiB per shard, so a shard is in flight for a while.
+ENGRAM_ROWS = {1: 40_009, 14: 30_011}
 
 
 def kill_trials(command: list[str], written: Path, *, seed: int, reset: Callable[[], None],
@@ -47,8 +58,6 @@ def staging(tmp_path):
 
 
 def test_mirror_killed_at_random_points(staging):
-    import shutil
-
     with untouched(staging.nas):
         outcomes = kill_trials(
             staging.command("mirror", "--json"), staging.local, seed=6001,
@@ -57,4 +66,147 @@ def test_mirror_killed_at_random_points(staging):
             converge=lambda: assert_converged(staging))
     print(dict(outcomes))
     # The kills must reach copies in flight, or this test proves nothing.
+    assert outcomes["killed mid-write"] >= 3, outcomes
+
+
+# ---------------------------------------------------------------- stage pack-engram
+
+def engram_reference(source: Path, layer: int, lo: int, hi: int) -> bytes:
+    """A shard's bytes, derived here without stager: header fields packed by hand, rows interleaved
+    from the safetensors spans read by offset."""
+    data = source.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    start = 8 + length
+    weight = header[f"model.layers.{layer}.engram.embed.weight"]
+    scale = header[f"model.layers.{layer}.engram.embed.scale"]
+    rows = weight["shape"][0]
+    w = np.frombuffer(data, np.uint8, rows * 256, start + weight["data_offsets"][0]).reshape(rows, 256)
+    s = np.frombuffer(data, np.uint8, rows * 8, start + scale["data_offsets"][0]).reshape(rows, 8)
+    head = struct.pack("<6Q", 0x31344E4531565344, layer, lo, hi, rows, 264).ljust(4096, b"\0")
+    return head + np.hstack([w[lo:hi], s[lo:hi]]).tobytes()
+
+
+@pytest.fixture
+def engram(tmp_path):
+    staging = build_staging(tmp_path, shards=1, shard_bytes=MiB, engram=ENGRAM_ROWS)
+    assert staging.mirror().code == 0
+    source = staging.local / staging.snapshot.dir.relative_to(staging.nas) / "model-engram.safetensors"
+    expected = {}
+    for layer, rows in ENGRAM_ROWS.items():
+        for rank in range(WORLD):
+            lo, hi = rows * rank // WORLD, rows * (rank + 1) // WORLD
+            shard = engram_reference(source, layer, lo, hi)
+            expected[f"engram-l{layer}-r{rank}of{WORLD}.bin"] = hashlib.sha256(shard).hexdigest()
+    return staging, expected
+
+
+def assert_engram_truthful(directory: Path, expected: dict[str, str]) -> None:
+    """Shards absent or byte-exact; a receipt or a SHA256SUMS line only ever names the right hash."""
+    if not directory.exists():
+        return
+    for name in os.listdir(directory):
+        path = directory / name
+        if is_temp_name(name) or name == ".locks":
+            continue
+        if name in expected:
+            assert sha256_file(path) == expected[name], f"{name}: wrong bytes under the final name"
+        elif name.endswith(".json"):
+            receipt = json.loads(path.read_text())
+            assert receipt["sha256"] == expected[path.with_suffix(".bin").name], f"{name} names a wrong hash"
+        elif name == "SHA256SUMS":
+            for line in path.read_text().splitlines():
+                digest, listed = line.split("  ", 1)
+                assert expected[listed] == digest, f"SHA256SUMS names a wrong hash for {listed}"
+        else:
+            raise AssertionError(f"unexpected file {path}")
+
+
+def assert_engram_converged(staging, expected: dict[str, str]) -> None:
+    rerun = staging.stage("pack-engram", "--json")
+    assert rerun.code == 0, rerun.stderr
+    assert {Path(s["path"]).name for s in run_json(rerun)["shards"]} == set(expected)
+    full = staging.verify_full()
+    assert full.code == 0, full.stderr + full.stdout
+    directory = staging.engram_dir
+    sums = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=directory, capture_output=True)
+    assert sums.returncode == 0, sums.stdout + sums.stderr
+    assert temp_files(directory) == []
+    assert_engram_truthful(directory, expected)
+
+
+def test_pack_engram_killed_at_random_points(engram):
+    staging, expected = engram
+    with untouched(staging.nas, staging.local, what="source"):
+        outcomes = kill_trials(
+            staging.command("pack-engram", "--json"), staging.engram_dir, seed=6002,
+            reset=lambda: shutil.rmtree(staging.engram_dir, ignore_errors=True),
+            check=lambda: assert_engram_truthful(staging.engram_dir, expected),
+            converge=lambda: assert_engram_converged(staging, expected))
+    print(dict(outcomes))
+    assert outcomes["killed mid-write"] >= 3, outcomes
+
+
+# ---------------------------------------------------------------- stage archive
+
+ARCHIVED = {f"engram-l1-r{rank}of2.bin": 3 * MiB + rank for rank in range(2)} | {
+    f"engram-l14-r{rank}of2.bin": 2 * MiB + 7 * rank for rank in range(2)} | {"notes/README": 1000}
+
+
+@pytest.fixture
+def archive_env(tmp_path):
+    src = tmp_path / "nvme" / "old" / "tp2"
+    dest = tmp_path / "archive"
+    contents = {name: random_safetensors(i + 50, size)[:size] for i, (name, size) in enumerate(ARCHIVED.items())}
+    return src, dest, contents
+
+
+def lay_out(src: Path, dest: Path, contents: dict[str, bytes]) -> None:
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for name, data in contents.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+
+
+def assert_archive_truthful(src: Path, dest: Path, contents: dict[str, bytes]) -> None:
+    """Every file has at least one complete copy; whatever exists under a final name is exact, and
+    SHA256SUMS lists only names that DEST holds with exactly that hash."""
+    for name, data in contents.items():
+        copies = [path for path in (src / name, dest / src.name / name) if path.exists()]
+        assert copies, f"{name}: neither the source nor the archive holds it"
+        for path in copies:
+            assert path.read_bytes() == data, f"{path}: wrong bytes under a final name"
+    sums = dest / "SHA256SUMS"
+    if sums.exists():
+        for line in sums.read_text().splitlines():
+            digest, listed = line.split("  ", 1)
+            assert sha256_file(dest / listed) == digest == hashlib.sha256(contents[listed.split("/", 1)[1]]).hexdigest()
+
+
+def assert_archive_converged(command: list[str], src: Path, dest: Path, contents: dict[str, bytes]) -> None:
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "Traceback" not in rerun.stderr
+    assert sorted(p.name for p in src.rglob("*")) == ["MOVED.txt"], "every source is deleted, the signpost stays"
+    for name, data in contents.items():
+        assert (dest / src.name / name).read_bytes() == data
+    sums = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=dest, capture_output=True)
+    assert sums.returncode == 0, sums.stdout + sums.stderr
+    moved = (src / "MOVED.txt").read_text()
+    for name, data in contents.items():
+        assert f"{hashlib.sha256(data).hexdigest()}  {len(data)}  " in moved and name in moved
+    assert temp_files(dest) == []
+
+
+def test_archive_killed_at_random_points(archive_env):
+    src, dest, contents = archive_env
+    command = [*STAGE, "archive", str(src), str(dest), "--json"]
+    outcomes = kill_trials(
+        command, dest, seed=6003,
+        reset=lambda: lay_out(src, dest, contents),
+        check=lambda: assert_archive_truthful(src, dest, contents),
+        converge=lambda: assert_archive_converged(command, src, dest, contents))
+    print(dict(outcomes))
     assert outcomes["killed mid-write"] >= 3, outcomes
