@@ -1,40 +1,21 @@
-"""Fixtures for the operations commands (archive, audit, binds): real mounts and a staged demo node."""
+"""Fixtures for the operations commands (archive, audit, binds): a container's read-only mounts
+made for real, and the CLI run against a demo node. Real faults (tmpfs, read-only binds) come from
+reliability_support."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from conftest import REPO, run_stage
-
-MiB = 1024 * 1024
-
-
-def needs_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root for mount(8)")
+from conftest import run_stage
+from reliability_support import MiB, needs_root, read_only_bind, tmpfs
 
 
 def umount(mountpoint: Path) -> None:
     if subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode != 0:
         subprocess.run(["umount", "-l", str(mountpoint)], check=True)  # a straggler still holds it
-
-
-@contextlib.contextmanager
-def tmpfs(mountpoint: Path, size: int) -> Iterator[Path]:
-    """A real tmpfs of `size` bytes at `mountpoint`, unmounted whatever happens."""
-    needs_root()
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)], check=True)
-    try:
-        yield mountpoint
-    finally:
-        umount(mountpoint)
 
 
 @contextlib.contextmanager
@@ -66,4 +47,4 @@ def stage(manifest: Path, *args: str):
     return result
 
 
-__all__ = ["MiB", "REPO", "container_view", "needs_root", "stage", "tmpfs", "umount"]
+__all__ = ["MiB", "container_view", "needs_root", "read_only_bind", "stage", "tmpfs", "umount"]

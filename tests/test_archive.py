@@ -18,7 +18,7 @@ import pytest
 
 from conftest import run_stage, sha256_file
 from hubgen import pseudo_random
-from ops_fixtures import MiB, needs_root, tmpfs, umount
+from ops_fixtures import MiB, needs_root, read_only_bind, tmpfs
 from stager.atomic import is_temp_name
 from stager.records import read_sums
 
@@ -254,6 +254,7 @@ def test_kill_after_copy_before_delete_is_adopted(tmp_path):
 
 
 def test_preflight_refuses_when_dest_is_too_small(tmp_path):
+    needs_root()
     src = tmp_path / "old"
     expected = write_big(src / "big.bin", 6 * MiB, seed=9)
     with tmpfs(tmp_path / "small", 4 * MiB) as dest:
@@ -307,14 +308,8 @@ def test_read_only_source_keeps_the_file_and_says_why(tree, tmp_path):
     """SRC on a read-only mount: the copy is made and verified, but with no MOVED.txt there is no
     delete, because a source must never vanish without a note saying where it went."""
     needs_root()
-    view = tmp_path / "ro"
-    view.mkdir()
-    subprocess.run(["mount", "--bind", str(tree["src"]), str(view)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+    with read_only_bind(tree["src"], tmp_path / "ro") as view:
         result = run_stage("archive", view / "engram-l1-r0of2.bin", tree["dest"], "--json")
-    finally:
-        umount(view)
     assert result.code == 1, result.stderr
     [problem] = result.json["problems"]
     assert problem["kind"] == "not_deleted" and "MOVED.txt could not be written" in problem["detail"]

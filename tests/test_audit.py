@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, run_stage
 from hubgen import build_demo, pseudo_random
-from ops_fixtures import MiB, stage, tmpfs
+from ops_fixtures import MiB, needs_root, stage, tmpfs
 
 FLASH_DIR = "models--acme--Flash-3bpw"
 
@@ -24,6 +24,7 @@ FLASH_DIR = "models--acme--Flash-3bpw"
 @pytest.fixture
 def demo(tmp_path: Path):
     """The demo cluster with the node's disk (hub and engram_dir) on a 64 MiB tmpfs."""
+    needs_root()
     root = tmp_path / "demo"
     manifest = build_demo(root)
     with tmpfs(root / "nvme", 64 * MiB):
