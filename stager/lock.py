@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from collections.abc import Iterator
@@ -29,7 +30,13 @@ def writer_lock(lock_path: Path, what: str) -> Iterator[None]:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             raise CannotRun(f"{what} is locked by another stage process (pid {holder}); lock file {lock_path}") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            # The pid only names the holder in a refusal. A full disk must not stop a run that may
+            # have nothing to write; one that does gets the preflight's figures instead.
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
         yield
     finally:
         os.close(fd)
