@@ -1,0 +1,148 @@
+"""Disk full, for real: a small tmpfs as the node-local hub, and a filler process that takes the
+space away while the mirror runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reliability_support import (MiB, assert_converged, assert_hub_truthful, build_staging, needs_root, temp_files,
+                                 tmpfs, untouched)
+
+SHARDS = 10
+SHARD_BYTES = 3 * MiB
+
+# Waits for the first blob to land under a final name in the hub, then takes every free byte of
+# the filesystem with one fallocate (then writes, for filesystems that lack it), and says so.
+FILLER = r"""
+import errno, os, sys, time
+hub, filler = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+def landed():
+    for top in (os.path.join(hub, "blobs"), hub):
+        for directory, _dirs, files in os.walk(top):
+            if "/blobs" in directory and any(not f.startswith(".") for f in files):
+                return True
+    return False
+while not landed():
+    time.sleep(0.001)
+fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+st = os.statvfs(filler)
+try:
+    os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize)
+except OSError:
+    pass
+chunk = b"\0" * (1 << 20)
+try:
+    while True:
+        os.write(fd, chunk)
+except OSError as exc:
+    assert exc.errno == errno.ENOSPC
+os.close(fd)
+print("filled", flush=True)
+"""
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    needs_root()
+    mount = tmp_path / "nvme"
+    staging = build_staging(tmp_path, shards=SHARDS, shard_bytes=SHARD_BYTES, local=mount / "hf" / "hub")
+    needed = sum(p.stat().st_size for p in (staging.nas / "blobs").rglob("*") if p.is_file()) + sum(
+        p.stat().st_size for p in staging.snapshot.repo.dir.rglob("*") if p.is_file() and not p.is_symlink())
+    with tmpfs(mount, needed + 4 * MiB):
+        yield staging, mount, needed
+
+
+def regular_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and ".locks" not in p.parts]
+
+
+def test_preflight_refuses_and_copies_nothing(tmp_path):
+    needs_root()
+    mount = tmp_path / "nvme"
+    staging = build_staging(tmp_path, shards=SHARDS, shard_bytes=SHARD_BYTES, local=mount / "hf" / "hub")
+    with tmpfs(mount, 8 * MiB), untouched(staging.nas):
+        result = staging.mirror()
+        assert result.code == 3, result.stderr
+        assert "Traceback" not in result.stderr
+        message = result.stderr.strip().splitlines()[-1]
+        assert re.search(r"not enough space on .*nvme/hf/hub: need 30\.\d\d MiB, free [0-9.]+ [KM]iB, reserve 0 B",
+                         message), message
+        assert regular_files(mount) == [], "the preflight must refuse before any blob is written"
+        assert temp_files(mount) == []
+
+
+def test_preflight_counts_the_reserve(small_disk):
+    staging, mount, needed = small_disk
+    manifest = staging.manifest.read_text().replace('reserve = "0"', 'reserve = "8MiB"')
+    staging.manifest.write_text(manifest)
+    result = staging.mirror()
+    assert result.code == 3 and "reserve 8.00 MiB" in result.stderr and "short by" in result.stderr
+    assert regular_files(mount) == []
+
+
+def test_space_taken_mid_run_stops_cleanly_and_the_rerun_converges(small_disk):
+    staging, mount, _needed = small_disk
+    filler_path = mount / "filler"
+    filler = subprocess.Popen([sys.executable, "-c", FILLER, str(staging.local), str(filler_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert filler.stdout.readline().strip() == "ready"
+        with untouched(staging.nas):
+            # One copy at a time: the filler strikes after the first blob, with blobs still to go.
+            result = staging.mirror("--jobs", "1")
+        assert filler.wait(timeout=30) == 0 and filler.stdout.readline().strip() == "filled"
+    finally:
+        filler.kill()
+        filler.wait()
+    assert result.code == 3, result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    match = re.fullmatch(r"stage: error: no space left on device while writing (\S+)", message)
+    assert match, message
+    assert match.group(1).startswith(str(staging.local) + "/"), "the message names the file being written"
+    assert temp_files(mount) == [], "a disk-full stop leaves no temp file behind"
+    check = assert_hub_truthful(staging.local, staging.nas, staging.snapshot)
+    assert 1 <= check.files and not check.ref_present, "stopped part-way: some blobs landed, no ref yet"
+    os.unlink(filler_path)
+    assert_converged(staging)
+
+
+def test_full_disk_with_nothing_to_copy_still_succeeds(small_disk):
+    """A staged hub on a disk that has since filled up: the re-run has nothing to write, so it
+    must pass, even with no lock file yet (the pid it records is a courtesy, not a requirement)."""
+    staging, mount, _needed = small_disk
+    assert staging.mirror().code == 0
+    (staging.local / ".locks" / "stager.lock").unlink()
+    with open(mount / "filler", "wb") as handle:
+        try:
+            while True:
+                handle.write(b"\0" * MiB)
+                handle.flush()
+        except OSError:
+            pass
+    result = staging.mirror()
+    assert result.code == 0, result.stderr
+    assert staging.verify_full().code == 0
+
+
+def test_full_disk_first_run_says_not_enough_space(small_disk):
+    staging, mount, _needed = small_disk
+    with open(mount / "filler", "wb") as handle:
+        try:
+            while True:
+                handle.write(b"\0" * MiB)
+                handle.flush()
+        except OSError:
+            pass
+    result = staging.mirror()
+    assert result.code == 3, result.stderr
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+    assert "not enough space on" in result.stderr, result.stderr
+    assert regular_files(mount / "hf") == []
