@@ -24,6 +24,7 @@ import secrets
 import socket
 import struct
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,8 +52,12 @@ SCALE_BYTES = 8
 ROW_BYTES = WEIGHT_BYTES + SCALE_BYTES
 WEIGHT_DTYPE = "F8_E4M3"
 SCALE_DTYPE = "F8_E8M0"
-# 64 Ki rows: 16 MiB of weights per read, two 16.5 MiB slots; peak memory stays near 70 MiB.
-CHUNK_ROWS = 1 << 16
+# 4096 rows (1 MiB of weights, 1.03 MiB interleaved) per chunk: small enough that the interleave,
+# the hash and the write find the chunk still in the CPU cache (16 MiB chunks ran 20% slower), and
+# a multiple of 512 rows, so every chunk write after the 4 KiB header stays 4 KiB-aligned.
+CHUNK_ROWS = 4096
+FILL_AHEAD = 4  # chunks read and interleaved ahead of the consumer
+WRITEBACK_BYTES = 32 * 1024 * 1024  # start writeback every 32 MiB, so the closing fsync has little left
 SAMPLE_ROWS = 64  # seeded rows per sampled check, plus both boundary rows
 LOCK_NAME = ".locks/engram.lock"
 INDEX_NAME = "model.safetensors.index.json"
@@ -467,20 +472,27 @@ def stream_rows(reader, table: EngramTable, lo: int, hi: int, where: str,
                 consume: Callable[[memoryview, int], None]) -> None:
     """Call `consume(rows, first_row)` with the interleaved rows lo..hi-1, in order, in chunks.
 
-    Two slots: a filler thread reads and interleaves chunk i+1 while the caller consumes
-    chunk i. Positioned reads (os.preadv) and numpy copies release the GIL, so they overlap.
+    A filler thread reads and interleaves up to FILL_AHEAD chunks ahead into a ring of
+    reused slots while the caller consumes the oldest; a slot is refilled only after
+    `consume` returned for it. Positioned reads and numpy copies release the GIL.
     """
-    chunks = [(start, min(CHUNK_ROWS, hi - start)) for start in range(lo, hi, CHUNK_ROWS)]
-    if not chunks:
-        return
-    slots = (_Slot(), _Slot())
+    starts = range(lo, hi, CHUNK_ROWS)
+    slots = [_Slot() for _ in range(min(FILL_AHEAD, len(starts)))]
+
+    def fill(i: int):
+        return filler.submit(_fill, reader, table, slots[i % len(slots)], starts[i],
+                             min(CHUNK_ROWS, hi - starts[i]), where)
+
     with ThreadPoolExecutor(1, thread_name_prefix="engram-fill") as filler:
-        pending = filler.submit(_fill, reader, table, slots[0], *chunks[0], where)
-        for i, (start, _count) in enumerate(chunks):
-            view = pending.result()
-            if i + 1 < len(chunks):
-                pending = filler.submit(_fill, reader, table, slots[(i + 1) % 2], *chunks[i + 1], where)
-            consume(view, start)
+        pending = deque(fill(i) for i in range(len(slots)))
+        try:
+            for i, start in enumerate(starts):
+                consume(pending.popleft().result(), start)
+                if i + len(slots) < len(starts):
+                    pending.append(fill(i + len(slots)))
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 # ---- the one rule: does a shard on disk match? --------------------------------------------------
@@ -709,14 +721,17 @@ def _pack_shard(spec: ShardSpec, checkpoint: Checkpoint, progress: Callable[[int
             header = spec.header()
             hasher.update(header)
             out.write(header)
-            written = [HEADER_BYTES]
+            flushed, written = [0], [HEADER_BYTES]
 
             def write(rows: memoryview, _first_row: int) -> None:
                 hashing = hash_pool.submit(hasher.update, rows)
                 out.write(rows)
-                # Start writeback of this chunk now, so the closing fsync does not wait for all of it.
-                os.posix_fadvise(out.fd, written[0], len(rows), os.POSIX_FADV_DONTNEED)
                 written[0] += len(rows)
+                if written[0] - flushed[0] >= WRITEBACK_BYTES:
+                    # DONTNEED on dirty pages queues their writeback now: without it the closing
+                    # fsync waited for the whole shard (0.5 s per GiB here), with it for the last 32 MiB.
+                    os.posix_fadvise(out.fd, flushed[0], written[0] - flushed[0], os.POSIX_FADV_DONTNEED)
+                    flushed[0] = written[0]
                 hashing.result()
                 if progress:
                     progress(len(rows))

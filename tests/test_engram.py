@@ -364,15 +364,15 @@ def test_verify_sampled_and_full_find_a_flipped_byte_naming_the_shard(tmp_path):
     code, report = verify(env, "--seed", 7)
     assert code == 1
     assert [(p["path"], p["kind"]) for p in report["problems"]] == [(str(boundary), "mismatch")]
-    assert "row 3339 differs from the source" in report["problems"][0]["detail"]
-    # Full: a byte in the middle of a shard (row lo + 30000 of layer 1).
+    assert f"row {9_973 * 2 // 3 - 1} differs from the source" in report["problems"][0]["detail"]
+    # Full: a byte in the middle of a shard (row lo + 20000 of layer 1).
     middle = shards[1]
-    flip(middle, 4096 + 30_000 * 264 + 17)
+    flip(middle, 4096 + 20_000 * 264 + 17)
     code, report = verify(env, "--full")
     assert code == 1
     problems = {p["path"]: p["detail"] for p in report["problems"]}
     assert set(problems) == {str(boundary), str(middle)}
-    assert f"row {70_001 // 3 + 30_000} differs from a full re-derivation" in problems[str(middle)]
+    assert f"row {70_001 // 3 + 20_000} differs from a full re-derivation" in problems[str(middle)]
     # The pack's own check sees the boundary row and repacks that shard.
     again = {s["layer"]: s for s in pack(env)["shards"]}
     assert not again[14]["skipped"] and "differs from the source" in again[14]["reason"]
