@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import secrets
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,7 @@ class AtomicFile:
 
 @contextlib.contextmanager
 def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: int | None = None,
-                sync_dir: bool = True) -> Iterator[AtomicFile]:
+                sync_dir: bool = True, batch: "SyncBatch | None" = None) -> Iterator[AtomicFile]:
     """Write `path` atomically. The temp file is removed if the body raises.
 
     `size_hint` preallocates (ENOSPC surfaces before any byte is copied, and the
@@ -80,7 +81,8 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
     final name never carries a wrong mtime.  `sync_dir=False` leaves the
     directory fsync to a caller that renames many files into one directory and
     fsyncs it once: each fsync is a journal commit, and one per file cost 1,000
-    small files about a sixth of their copy time.
+    small files about a sixth of their copy time.  With `batch`, the complete
+    temp file is handed to the batch, which syncs and renames it (see SyncBatch).
     """
     path = Path(path)
     temp = temp_path_for(path)
@@ -91,13 +93,17 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
             _preallocate(fd, size_hint)
         handle = AtomicFile(path, temp, fd)
         yield handle
-        os.fsync(fd)
+        if batch is None:
+            os.fsync(fd)
         # Staged bytes are cold until the engine maps them: keep them from evicting its pages.
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if mtime_ns is not None:
             os.utime(fd, ns=(mtime_ns, mtime_ns))
         os.close(fd)
         fd = -1
+        if batch is not None:
+            batch.add(temp, path)
+            return
         os.replace(temp, path)
         if sync_dir:
             fsync_dir(path.parent)
@@ -108,6 +114,68 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
     except BaseException:
         _discard(fd, temp)
         raise
+
+
+class SyncBatch:
+    """Many small complete temp files made durable together, then renamed.
+
+    `commit()` runs one `syncfs` on the target filesystem for all their bytes, then
+    the renames, then one fsync per directory.  Same guarantee as atomic_file: no
+    final name before its bytes are on disk, and a kill leaves only temp files,
+    which the next run sweeps.  Why: an fsync per file is a journal commit each,
+    and 1,000 small files spent seconds in them where `cp -r && sync` spends one.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)  # any directory on the filesystem the files land on
+        self._pending: list[tuple[Path, Path]] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, temp: Path, path: Path) -> None:
+        with self._lock:
+            self._pending.append((temp, path))
+
+    def commit(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            _syncfs(self.directory)
+            for temp, path in pending:
+                os.replace(temp, path)
+            for directory in sorted({path.parent for _, path in pending}):
+                fsync_dir(directory)
+        except OSError as exc:
+            for temp, _ in pending:
+                _discard(-1, temp)
+            raise_if_disk_full(exc, pending[0][1])
+            raise
+
+    def discard(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for temp, _ in pending:
+            _discard(-1, temp)
+
+
+def _syncfs(directory: Path) -> None:
+    """Write back every dirty page of the filesystem holding `directory`, and report its errors."""
+    import ctypes  # only batches need it; `stage --help` stays fast
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if not hasattr(libc, "syncfs"):
+            os.sync()  # no syncfs in this libc: sync everything, which is more, never less
+        elif libc.syncfs(fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), str(directory))
+    finally:
+        os.close(fd)
 
 
 def _preallocate(fd: int, size: int) -> None:

@@ -70,19 +70,18 @@ class DigestCache:
             with self._lock:
                 self._digests[(rel, digest.method)] = digest
 
-    def remember_written(self, path: Path, digest: Digest) -> None:
-        """The full hash of the bytes this run wrote at local `path`, taken during the copy and
-        matched against the reference before the rename."""
-        key = _identity(path)
-        if key is not None:
-            with self._lock:
-                self._written[str(path)] = (key, digest)
+    def remember_written(self, path: Path, digest: Digest, identity: tuple[int, int, int, int]) -> None:
+        """The digest of the bytes this run wrote at local `path` (dev, inode, size, mtime_ns),
+        taken during the copy and matched against the source before the rename."""
+        with self._lock:
+            self._written[str(path)] = (identity, digest)
 
     def written(self, path: Path, method: str) -> Digest | None:
-        """That hash again, if `path` is still the very file written (same inode, size and mtime).
+        """That digest again, if `path` is still the very file written (same inode, size and mtime).
 
-        The closing verify of `mirror --full` reads it instead of hashing every byte a second
-        time: re-reading made --full cost twice the copy.  `stage verify --full` always reads."""
+        The closing verify of a mirror uses it instead of reading the file a second time:
+        re-hashing made --full cost twice the copy, and re-sampling 1,000 small files cost a
+        disk read each.  `stage verify` never has it: it always reads."""
         with self._lock:
             key, digest = self._written.get(str(path), (None, None))
         if digest is None or digest.method != method or _identity(path) != key:

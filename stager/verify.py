@@ -7,6 +7,7 @@ reference hash (full).  Results are typed problems; the CLI picks the exit code.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
@@ -90,9 +91,11 @@ class VerifyReport:
         }
 
 
-def check_local_chain(local_hub: Path, entry_rel: str) -> tuple[str | None, Problem | None, int]:
-    """Follow the staged entry's links. Returns (final hub-relative file, problem, links followed)."""
-    root = os.path.realpath(local_hub)
+def check_local_chain(local_hub: Path, entry_rel: str, realpath=os.path.realpath) -> tuple[str | None, Problem | None, int]:
+    """Follow the staged entry's links. Returns (final hub-relative file, problem, links followed).
+
+    `realpath` may be a memo for one pass over many entries, which share a few directories."""
+    root = realpath(local_hub)
     current = entry_rel
     links = 0
     for _ in range(41):
@@ -108,7 +111,7 @@ def check_local_chain(local_hub: Path, entry_rel: str) -> tuple[str | None, Prob
         if not stat.S_ISLNK(st.st_mode):
             return None, Problem(str(path), "not_a_file", "expected a regular file or a link"), links
         target = os.readlink(path)
-        resolved = os.path.normpath(os.path.join(os.path.realpath(path.parent), target))
+        resolved = os.path.normpath(os.path.join(realpath(path.parent), target))
         if os.path.isabs(target) or not (resolved + "/").startswith(root + "/"):
             return None, Problem(str(local_hub / entry_rel), "remote",
                                  f"link {path} -> {target} resolves outside the local hub"), links
@@ -122,10 +125,11 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
     report = VerifyReport("full" if full else "sampled", None if full else cache.seed,
                           subset=str(subset) if subset else None)
     work: list[tuple[Entry, RepoSnapshot, str]] = []
+    realpath = functools.lru_cache(maxsize=None)(os.path.realpath)  # this pass only: links may change later
     for snap in snapshots:
         report.excluded.extend(snap.excluded)
         for entry in snap.entries:
-            final, problem, links = check_local_chain(local_hub, entry.rel)
+            final, problem, links = check_local_chain(local_hub, entry.rel, realpath)
             if subset is not None and not subset.contains(kept_hops(entry, snap.repo_dir)[-1]):
                 continue
             report.checked += 1
@@ -158,7 +162,8 @@ def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str
     size = os.path.getsize(path)
     if size != entry.size:
         return Problem(str(local_hub / entry.rel), "mismatch", f"size {size} != source size {entry.size}"), False
-    mine = (cache.written(path, reference.method) if full else None) or local_digest(path, reference, cache.seed, full)
+    method = reference.method if full else f"sampled:{cache.seed}"
+    mine = cache.written(path, method) or local_digest(path, reference, cache.seed, full)
     verdict = judge(mine, expected_digest(cache, entry.final, reference, full))
     if verdict is Verdict.DIFFER:
         # A mismatch is read again from both sides before it is believed (flaky NFS reads happen).
