@@ -575,7 +575,10 @@ def check_shard(spec: ShardSpec, checkpoint: Checkpoint, sums: dict[str, str], *
 
 
 def sample_rows(lo: int, hi: int, seed: int, layer: int) -> list[int]:
-    """Both boundary rows and SAMPLE_ROWS seeded rows of [lo, hi), sorted."""
+    """Both boundary rows and SAMPLE_ROWS seeded rows of [lo, hi), sorted (none for an empty shard:
+    a table with fewer rows than TP leaves some floor ranks a header and no rows)."""
+    if hi <= lo:
+        return []
     rng = random.Random(f"{seed}:{layer}:{lo}:{hi}")
     picks = {lo, hi - 1} | {rng.randrange(lo, hi) for _ in range(min(SAMPLE_ROWS, hi - lo))}
     return sorted(picks)

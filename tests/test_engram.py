@@ -481,3 +481,16 @@ def test_peak_rss_stays_bounded_on_a_table_over_1_gib(tmp_path):
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=False)
 
+
+
+def test_more_ranks_than_rows_gives_empty_shards_that_verify(tmp_path):
+    env = build(tmp_path, rows={1: 2, 14: 3}, world=4)
+    shards = pack(env)["shards"]
+    assert [(s["layer"], s["lo"], s["hi"]) for s in shards] == [
+        (1, 0, 0), (1, 0, 1), (1, 1, 1), (1, 1, 2), (14, 0, 0), (14, 0, 1), (14, 1, 2), (14, 2, 3)]
+    for layer in (1, 14):
+        bodies = [parse_shard(Path(s["path"]))[1] for s in shards if s["layer"] == layer]
+        assert b"".join(bodies) == reference(env["source"], "model.", layer)
+    assert all(s["skipped"] for s in pack(env)["shards"])
+    code, report = verify(env, "--full")
+    assert code == 0 and report["ok"] == report["checked"], report
