@@ -127,6 +127,21 @@ class Manifest(_Strict):
             raise ValueError(f"engram.model: {self.engram.model!r} has no [models.\"{self.engram.model}\"] table")
         return self
 
+    @model_validator(mode="after")
+    def _destinations_apart_from_sources(self) -> "Manifest":
+        """The NAS is read-only to this tool: a node hub or engram_dir that is the NAS hub, lies in it
+        or holds it would have the mirror (its lock file, its temp sweep) write on the NAS."""
+        for name, node in self.nodes.items():
+            sources = [s.removeprefix("file://") for s in (self.nas.hub, node.source)
+                       if s and ("://" not in s or s.startswith("file://"))]
+            for key in ("hub", "engram_dir"):
+                dest = getattr(node, key)
+                for source in sources:
+                    if dest and _overlap(dest, source):
+                        raise ValueError(f"nodes.{name}.{key}: {dest} overlaps the source hub {source}, "
+                                         "which this tool never writes")
+        return self
+
     def node(self, name: str) -> NodeConfig:
         if name not in self.nodes:
             known = ", ".join(sorted(self.nodes)) or "none"
@@ -136,6 +151,11 @@ class Manifest(_Strict):
     def source_for(self, node_name: str) -> str:
         """Where this node stages from: its own `source` override, else the NAS hub."""
         return self.node(node_name).source or self.nas.hub
+
+
+def _overlap(a: str, b: str) -> bool:
+    a, b = os.path.normpath(a), os.path.normpath(b)
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def _dotted(loc: tuple) -> str:
