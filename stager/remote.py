@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import getpass
+import logging
 import os
 import posixpath
 import stat
@@ -43,11 +44,14 @@ TIMEOUT_ENV = "STAGE_SSH_TIMEOUT"
 DEFAULT_TIMEOUT = 30.0
 SSH_CONFIG = "~/.ssh/config"
 KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
-# OpenSSH allows 10 sessions per connection (MaxSessions); stay below it.
+# OpenSSH allows 10 sessions per connection (MaxSessions); fsspec's own session is one of them.
 SESSIONS_PER_CONNECTION = 8
-# Outstanding 32 KiB read requests per file: enough to fill a LAN link, bounded in memory.
+# paramiko's default 2 MiB SSH window stalled reads at half the link's speed. A larger window
+# costs no memory here: the server only sends what READS_IN_FLIGHT requests asked for.
+WINDOW_BYTES = 64 * 1024 * 1024
+# Outstanding read requests per file: 2 MiB in flight fills a LAN link; memory stays bounded.
+REQUEST_BYTES = 32 * 1024  # what every SFTP server accepts (the draft's minimum maximum)
 READS_IN_FLIGHT = 64
-READ_CHUNK = 1024 * 1024
 INSTALL_HINT = "sftp sources need paramiko: pip install 'stager[sftp]'"
 
 
@@ -182,7 +186,7 @@ def _known_key_types_only(known, target: SftpTarget) -> dict:
 
 
 def connect(target: SftpTarget):
-    """One SSH connection with its first SFTP session (fsspec's `.ftp`). CannotRun if unreachable."""
+    """One SSH connection (fsspec's SFTP filesystem). CannotRun if unreachable."""
     import paramiko
     from fsspec.implementations.sftp import SFTPFileSystem
 
@@ -205,7 +209,6 @@ def connect(target: SftpTarget):
         raise CannotRun(f"sftp source {target.url}: ssh to {where} failed: {exc}") from None
     except OSError as exc:
         raise CannotRun(f"sftp source {target.url}: cannot reach {where}: {exc.strerror or exc}") from None
-    fs.ftp.get_channel().settimeout(target.timeout)
     return fs
 
 
@@ -230,22 +233,25 @@ class _Sessions:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-            for conn in self._connections:
-                if conn[1] >= SESSIONS_PER_CONNECTION:
-                    continue
+            while True:
+                conn = next((c for c in self._connections if c[1] < SESSIONS_PER_CONNECTION), None)
+                if conn is None:
+                    conn = [connect(self.target), 0]
+                    self._connections.append(conn)
                 try:
-                    sftp = conn[0].client.open_sftp()
+                    sftp = paramiko.SFTPClient.from_transport(conn[0].client.get_transport(), window_size=WINDOW_BYTES)
                 except paramiko.ChannelException:
-                    conn[1] = SESSIONS_PER_CONNECTION  # the server allows fewer sessions: use another connection
-                    continue
+                    sftp = None
                 except (paramiko.SSHException, EOFError, OSError) as exc:
                     raise CannotRun(f"sftp source {self.target.url}: connection lost: {exc}") from None
+                if sftp is None:  # the server allows fewer sessions per connection: open another
+                    if conn[1] == 0:
+                        raise CannotRun(f"sftp source {self.target.url}: the server refuses SFTP sessions")
+                    conn[1] = SESSIONS_PER_CONNECTION
+                    continue
                 conn[1] += 1
                 sftp.get_channel().settimeout(self.target.timeout)
                 return sftp
-            fs = connect(self.target)
-            self._connections.append([fs, 1])
-            return fs.ftp
 
     def give(self, sftp) -> None:
         with self._lock:
@@ -302,11 +308,8 @@ class RemoteSource:
             raise CannotRun(f"sftp source {self.url}: no reply within {self.target.timeout:g}s while {what}") from None
         except paramiko.SSHException as exc:
             raise CannotRun(f"sftp source {self.url}: connection lost while {what}: {exc}") from None
-        except EOFError as exc:
-            if not _alive(sftp):
-                raise CannotRun(f"sftp source {self.url}: connection lost while {what}") from None
-            # SSH_FX_EOF inside the size read at open: the file shrank under us.
-            raise OSError(errno.EIO, f"the file ended early while {what}: {exc}") from None
+        except EOFError:
+            raise CannotRun(f"sftp source {self.url}: connection lost while {what}") from None
         except OSError:
             if not _alive(sftp):
                 raise CannotRun(f"sftp source {self.url}: connection lost while {what}") from None
@@ -364,7 +367,13 @@ class RemoteSource:
 
 
 class RemoteReader:
-    """Positioned reads of one remote file on a session lent to it until `close`."""
+    """Positioned reads of one remote file on a session lent to it until `close`.
+
+    Reads are pipelined in the calling thread: up to READS_IN_FLIGHT requests of 32 KiB are
+    outstanding, and each reply lands straight in the caller's buffer.  paramiko's own
+    readv/prefetch starts a thread per call whose bookkeeping races with the reader; a copy
+    stalled on it until the timeout.  A failed read still ends in its caller, never in a thread.
+    """
 
     def __init__(self, source: RemoteSource, sftp, handle, size: int, rel: str):
         self._source = source
@@ -374,22 +383,50 @@ class RemoteReader:
         self._pos = 0
         self.size = size
 
-    def _chunks(self, length: int, offset: int):
-        """The bytes at offset..offset+length (clamped to the size), as pipelined 1 MiB pieces."""
-        length = max(0, min(length, self.size - offset))
-        pieces = [(at, min(READ_CHUNK, offset + length - at)) for at in range(offset, offset + length, READ_CHUNK)]
-        if pieces:
-            with self._source._failures(self._sftp, f"reading {self._rel}"):
-                yield from self._handle.readv(pieces, READS_IN_FLIGHT)
+    def _read_at(self, view: memoryview, offset: int) -> int:
+        """Fill `view` with the bytes at `offset` (up to the size). Returns how many were read."""
+        from paramiko.sftp import CMD_DATA, CMD_READ, CMD_STATUS, int64
+
+        end = offset + max(0, min(len(view), self.size - offset))
+        replies = _Replies()
+        pending: dict[int, tuple[int, int]] = {}
+        retry: list[tuple[int, int]] = []
+        next_at = offset
+        with self._source._failures(self._sftp, f"reading {self._rel}"):
+            while next_at < end or retry or pending:
+                while (retry or next_at < end) and len(pending) < READS_IN_FLIGHT:
+                    if retry:
+                        at, size = retry.pop()
+                    else:
+                        at, size = next_at, min(REQUEST_BYTES, end - next_at)
+                        next_at += size
+                    num = self._sftp._async_request(replies, CMD_READ, self._handle.handle, int64(at), int(size))
+                    pending[num] = (at, size)
+                self._sftp._read_response()
+                for num, kind, msg in replies.drain():
+                    at, size = pending.pop(num)
+                    if kind == CMD_STATUS:
+                        try:
+                            self._sftp._convert_status(msg)  # raises: EOFError past the end, OSError otherwise
+                        except EOFError:
+                            raise OSError(errno.EIO, f"{self._rel} ended before {self.size} bytes: "
+                                                     "it changed on the source during the read") from None
+                    if kind != CMD_DATA:
+                        raise OSError(errno.EPROTO, f"unexpected SFTP reply {kind} to a read")
+                    data = msg.get_string()
+                    if not data:
+                        raise OSError(errno.EIO, f"{self._rel}: the server answered a read with no data")
+                    view[at - offset:at - offset + len(data)] = data
+                    if len(data) < size:  # servers may answer short; ask for the rest
+                        retry.append((at + len(data), size - len(data)))
+        return end - offset
 
     def pread(self, length: int, offset: int) -> bytes:
-        return b"".join(self._chunks(length, offset))
+        buffer = bytearray(max(0, min(length, self.size - offset)))
+        return bytes(buffer[:self._read_at(memoryview(buffer), offset)])
 
     def readinto(self, buffer: memoryview) -> int:
-        got = 0
-        for data in self._chunks(len(buffer), self._pos):
-            buffer[got:got + len(data)] = data
-            got += len(data)
+        got = self._read_at(buffer, self._pos)
         self._pos += got
         return got
 
@@ -399,6 +436,20 @@ class RemoteReader:
                 self._handle.close()
         finally:
             self._source._sessions.give(self._sftp)
+
+
+class _Replies:
+    """Where paramiko delivers the replies to our asynchronous reads (its `_async_response` hook)."""
+
+    def __init__(self):
+        self._replies: list = []
+
+    def _async_response(self, kind, msg, num) -> None:
+        self._replies.append((num, kind, msg))
+
+    def drain(self) -> list:
+        replies, self._replies = self._replies, []
+        return replies
 
 
 def _is_dir(mode: int | None) -> bool:
@@ -428,4 +479,9 @@ def open_remote_source(url: str, aliases: dict[str, str]) -> RemoteSource:
         import fsspec.implementations.sftp  # noqa: F401
     except ImportError:
         raise CannotRun(INSTALL_HINT) from None
+    # paramiko's transport thread logs every failed handshake with a traceback on stderr; the
+    # failure reaches the user once, as the one-line error this module raises.
+    quiet = logging.getLogger("paramiko")
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
     return RemoteSource(url, aliases)

@@ -1,0 +1,343 @@
+"""sftp:// sources against a real sshd on 127.0.0.1: the same walk rules, byte-identical mirrors,
+verification against the NAS, and bounded failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_stage, sha256_file, write_manifest
+from hubgen import Hub, pseudo_random, random_safetensors
+from remote_fixtures import SshServer, start_sshd
+from stager.errors import CannotRun
+from stager.hub import walk_repo
+from stager.source import LocalSource, open_source
+
+FLASH = "acme/Flash-3bpw"
+DRAFTER = "acme/Flash-drafter"
+HOSTILE = "acme/Hostile"
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory) -> SshServer:
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def ssh_env(sshd, monkeypatch):
+    """In-process sources and the CLI subprocesses (run_stage copies os.environ) use the test keys."""
+    for key, value in sshd.env.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture(scope="module")
+def nas(tmp_path_factory) -> dict:
+    """A NAS hub with the layouts a real one has: shared-store two-hop links, an absolute link under
+    an aliased prefix, a real file, nested paths, an excluded folder, .no_exist markers, and a repo
+    of hostile links."""
+    root = tmp_path_factory.mktemp("remote")
+    hub = Hub(root / "nas" / "hf" / "hub")
+    flash = hub.repo(FLASH).snapshot()
+    flash.add_git("config.json", b'{"architectures": ["DeepseekV4ForCausalLM"]}')
+    flash.add_lfs("model-00001-of-00002.safetensors", random_safetensors(1, 3 * MiB + 4321), shared=True)
+    flash.add_lfs("model-00002-of-00002.safetensors", random_safetensors(2, 2 * MiB), shared=True,
+                  absolute_via="/volume1/hf/hub")
+    flash.add_lfs("nested/deeper/adapter.safetensors", random_safetensors(5, MiB // 2), shared=False)
+    flash.add_real("tokenizer.json", b'{"model": {"type": "BPE"}}')
+    flash.add_lfs("page15/experts.safetensors", random_safetensors(15, MiB), shared=False)
+    flash.finish(no_exist=("generation_config.json",))
+    drafter = hub.repo(DRAFTER).snapshot()
+    drafter.add_git("config.json", b'{"architectures": ["Drafter"]}')
+    drafter.add_lfs("model.safetensors", random_safetensors(99, MiB), shared=True)
+    drafter.finish()
+
+    hostile = hub.repo(HOSTILE).snapshot()
+    hostile.add_git("ok.json", b"{}")
+    outside = root / "outside"
+    outside.mkdir()
+    (outside / "secret.bin").write_bytes(b"not in the hub")
+    os.symlink(outside, hostile.repo.dir / "linkdir")  # a directory link that leaves the hub
+    hostile.add_raw_link("escape-relative", "../../../../../../../../../etc/hostname")
+    hostile.add_raw_link("escape-absolute", str(outside / "secret.bin"))
+    hostile.add_raw_link("escape-through-dir", "../../linkdir/secret.bin")
+    hostile.add_raw_link("dangling", "../../blobs/" + "f" * 64)
+    hostile.add_raw_link("loop-a", "loop-b")
+    hostile.add_raw_link("loop-b", "loop-a")
+    hostile.add_raw_link("a-directory", "../../blobs")
+    hostile.add_raw_link("aliased", f"/volume1/hf/hub/{hostile.repo.dir.name}/snapshots/{hostile.commit}/ok.json")
+    hostile.add_raw_link("cross-repo", f"../../../{flash.repo.dir.name}/snapshots/{flash.commit}/config.json")
+    os.mkfifo(hostile.dir / "a-fifo")
+    hostile.finish()
+    return {"root": root, "hub": hub.root, "before": tree(hub.root), "flash": flash, "drafter": drafter, "hostile": hostile,
+            "aliases": {"/volume1/hf/hub": str(hub.root)}}
+
+
+def manifest_for(path: Path, nas: dict, hub: str, local: Path, extra: str = "") -> Path:
+    manifest = write_manifest(path, nas["hub"], local, {FLASH: {"exclude": ["page15/**"]}, DRAFTER: {}},
+                              aliases=nas["aliases"], extra=extra)
+    text = manifest.read_text().replace(f'hub = "{nas["hub"]}"', f'hub = "{hub}"', 1)
+    manifest.write_text(text)
+    return manifest
+
+
+def stage(manifest: Path, *extra: str) -> dict:
+    result = run_stage("mirror", "--node", "dgx1", "--manifest", manifest, "--json", *extra)
+    assert result.code == 0, result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+    return result.json
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    """Every path under a local hub: link text, or the sha256 of a regular file."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".locks"]
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                out[rel] = ("link", os.readlink(path))
+            elif path.is_file():
+                out[rel] = ("file", sha256_file(path))
+            elif name in filenames:
+                out[rel] = ("other",)
+    return out
+
+
+def load_offline(hub: Path) -> dict:
+    """Load the staged models with huggingface_hub offline and safetensors, in a fresh process."""
+    code = f"""
+import json, warnings
+warnings.simplefilter("error")
+from huggingface_hub import hf_hub_download, scan_cache_dir, snapshot_download
+from safetensors import safe_open
+info = scan_cache_dir()
+assert not info.warnings, info.warnings
+out = {{"repos": sorted(r.repo_id for r in info.repos), "tensors": {{}}}}
+snapshot_download("{FLASH}", ignore_patterns=["page15/**"])
+for repo, name in (("{FLASH}", "model-00002-of-00002.safetensors"), ("{DRAFTER}", "model.safetensors")):
+    with safe_open(hf_hub_download(repo, name), "np") as st:
+        out["tensors"][name] = {{k: st.get_tensor(k).tobytes().hex() for k in st.keys()}}
+print(json.dumps(out))
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "HF_HOME": str(hub.parent)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_peer_and_sftp_nas_mirrors_are_byte_identical_to_the_nas_mirror(nas, sshd, tmp_path):
+    from_nas = tmp_path / "a" / "hub"
+    stage(manifest_for(tmp_path / "a.toml", nas, str(nas["hub"]), from_nas))
+    # A second node stages from the first one's local hub, over SFTP, with more threads than one
+    # SSH connection has sessions.
+    from_peer = tmp_path / "b" / "hub"
+    peer = stage(manifest_for(tmp_path / "b.toml", nas, str(nas["hub"]), from_peer), "--source", sshd.url(from_nas),
+                 "--jobs", "12")
+    # A third reaches the NAS itself over SSH; the absolute aliased link is resolved on the server.
+    over_ssh = tmp_path / "c" / "hub"
+    remote_nas = stage(manifest_for(tmp_path / "c.toml", nas, sshd.url(nas["hub"]), over_ssh))
+
+    reference = tree(from_nas)
+    assert sum(kind == "file" for kind, *_ in reference.values()) >= 8
+    assert tree(from_peer) == reference
+    assert tree(over_ssh) == reference
+    for staged in (from_peer, over_ssh):
+        for path in staged.rglob("*.safetensors"):
+            snap = nas["flash"] if FLASH.replace("/", "--") in str(path) else nas["drafter"]
+            assert sha256_file(path) == snap.sha256[str(path).split("/snapshots/")[1].split("/", 1)[1]]
+        assert load_offline(staged) == load_offline(from_nas)
+
+    assert peer["source"] == sshd.url(from_nas) and peer["problems"] == []
+    assert peer["copied_bytes"] == remote_nas["copied_bytes"] > 0
+    # Staged from a peer, checked against the NAS, which answers.
+    assert peer["verify"]["verified_against"] == str(nas["hub"])
+    assert remote_nas["verify"]["verified_against"] == sshd.url(nas["hub"])
+    # The peer's hub and the NAS were only read: nothing under them changed.
+    assert tree(from_nas) == reference
+
+
+def test_verification_falls_back_to_the_peer_when_the_nas_is_unreachable(nas, sshd, tmp_path):
+    peer_hub = tmp_path / "peer" / "hub"
+    stage(manifest_for(tmp_path / "peer.toml", nas, str(nas["hub"]), peer_hub))
+    gone = tmp_path / "unmounted" / "hf" / "hub"
+    local = tmp_path / "node" / "hub"
+    manifest = manifest_for(tmp_path / "node.toml", nas, str(gone), local, f'source = "{sshd.url(peer_hub)}"\n')
+    report = stage(manifest)
+    assert report["source"] == sshd.url(peer_hub)
+    assert report["verify"]["verified_against"] == sshd.url(peer_hub)
+    assert report["verify"]["ok"] == report["verify"]["checked"] > 0
+    checked = run_stage("verify", "--node", "dgx1", "--manifest", manifest, "--json")
+    assert checked.code == 0, checked.stderr
+    assert checked.json["verified_against"] == sshd.url(peer_hub) and checked.json["problems"] == []
+    assert tree(local) == tree(peer_hub)
+    # Once the NAS answers again, it is the reference again.
+    manifest.write_text(manifest.read_text().replace(f'hub = "{gone}"', f'hub = "{nas["hub"]}"', 1))
+    checked = run_stage("verify", "--node", "dgx1", "--manifest", manifest, "--json")
+    assert checked.code == 0 and checked.json["verified_against"] == str(nas["hub"])
+
+
+def test_links_resolve_on_the_server_by_the_same_rules(nas, sshd):
+    local = LocalSource(str(nas["hub"]), nas["aliases"])
+    remote = open_source(sshd.url(nas["hub"]), nas["aliases"])
+    for repo in (FLASH, DRAFTER, HOSTILE):
+        mine, theirs = walk_repo(local, repo, "main", []), walk_repo(remote, repo, "main", [])
+        assert [(e.path, e.chain, e.size) for e in theirs.entries] == [(e.path, e.chain, e.size) for e in mine.entries]
+        assert theirs.metadata == mine.metadata and theirs.tree_listing == mine.tree_listing
+
+        def kinds(snapshot, source):
+            return sorted((p.path.removeprefix(source.display("")), p.kind) for p in snapshot.problems)
+
+        assert kinds(theirs, remote) == kinds(mine, local)
+    hostile = {p.path.rsplit("/", 1)[1]: p.kind for p in walk_repo(remote, HOSTILE, "main", []).problems}
+    assert hostile == {"escape-relative": "escape", "escape-absolute": "escape", "escape-through-dir": "escape",
+                       "dangling": "dangling", "loop-a": "loop", "loop-b": "loop", "a-directory": "not_a_file",
+                       "a-fifo": "not_a_file"}
+    entries = {e.path: e.chain for e in walk_repo(remote, HOSTILE, "main", []).entries}
+    assert set(entries) == {"ok.json", "aliased", "cross-repo"}
+    assert entries["aliased"][-1] == entries["ok.json"][-1]
+
+
+def test_reads_are_exact_and_many_readers_share_the_connections(nas, sshd, tmp_path):
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    sizes = [0, 1, 32 * 1024 - 1, 32 * 1024 + 1, MiB, 3 * MiB + 12345]
+    for i, size in enumerate(sizes):
+        (hub / f"f{i}").write_bytes(pseudo_random(i, size))
+    source = open_source(sshd.url(hub), {})
+    # More readers open at once than one connection allows sessions (OpenSSH MaxSessions is 10).
+    readers = [source.open(f"f{i % len(sizes)}", uncached=True) for i in range(20)]
+    try:
+        def check(index: int) -> None:
+            reader, data = readers[index], pseudo_random(index % len(sizes), sizes[index % len(sizes)])
+            assert reader.size == len(data)
+            assert reader.pread(len(data) + 100, 0) == data
+            assert reader.pread(100, len(data) // 2) == data[len(data) // 2:len(data) // 2 + 100]
+            assert reader.pread(10, len(data)) == b""
+            buffer = bytearray(MiB + 7)
+            got = bytearray()
+            while n := reader.readinto(memoryview(buffer)):
+                got += buffer[:n]
+            assert bytes(got) == data
+
+        threads = [threading.Thread(target=check, args=(i,)) for i in range(len(readers))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        for reader in readers:
+            reader.close()
+    with pytest.raises(OSError):
+        source.open("missing", uncached=True)
+    os.symlink("f1", hub / "link")
+    with pytest.raises(OSError, match="not a regular file"):
+        source.open("link", uncached=True)  # readers never follow links: the walk resolves them
+
+
+def test_a_file_that_shrinks_during_a_read_is_a_file_problem_not_a_lost_source(sshd, tmp_path):
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "blob").write_bytes(pseudo_random(3, 2 * MiB))
+    source = open_source(sshd.url(hub), {})
+    reader = source.open("blob", uncached=True)
+    try:
+        os.truncate(hub / "blob", MiB)
+        with pytest.raises(OSError, match="changed on the source"):
+            reader.pread(2 * MiB, 0)
+        assert source.lstat("blob").size == MiB  # the connection is still good
+    finally:
+        reader.close()
+
+
+def test_a_lost_connection_ends_the_run_instead_of_hanging(nas, sshd, tmp_path):
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "blob").write_bytes(pseudo_random(7, 4 * MiB))
+    before = set(sshd.session_pids())
+    source = open_source(sshd.url(hub), {})
+    reader = source.open("blob", uncached=True)
+    assert reader.pread(16, 0) == pseudo_random(7, 16)
+    for pid in set(sshd.session_pids()) - before:
+        os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(CannotRun, match="connection lost"):
+        reader.pread(4 * MiB, 0)
+    with pytest.raises(CannotRun):
+        source.lstat("blob")
+    assert time.monotonic() - started < 10
+
+
+def silent_listener() -> tuple[socket.socket, int]:
+    """A TCP port that accepts connections and never says a word."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held = []
+    threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
+    return listener, listener.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["refused", "silent", "unknown host key", "wrong key", "not a hub"])
+def test_unreachable_sources_exit_3_with_one_line_quickly(nas, sshd, tmp_path, case):
+    env = {"STAGE_SSH_TIMEOUT": "2"}
+    url = sshd.url(nas["hub"])
+    if case == "refused":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        url = f"sftp://{sshd.user}@127.0.0.1:{port}{nas['hub']}"
+    elif case == "silent":
+        listener, port = silent_listener()
+        url = f"sftp://{sshd.user}@127.0.0.1:{port}{nas['hub']}"
+    elif case == "unknown host key":
+        (tmp_path / "empty_known_hosts").write_text("")
+        env["STAGE_SSH_KNOWN_HOSTS"] = str(tmp_path / "empty_known_hosts")
+        env["HOME"] = str(tmp_path)
+    elif case == "wrong key":
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+        env["STAGE_SSH_KEY"] = str(tmp_path / "other")
+    else:
+        url = sshd.url(nas["root"] / "nothing-here")
+    manifest = manifest_for(tmp_path / "m.toml", nas, url, tmp_path / "local")
+    started = time.monotonic()
+    result = run_stage("mirror", "--node", "dgx1", "--manifest", manifest, env=env, timeout=60)
+    elapsed = time.monotonic() - started
+    assert result.code == 3, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stage: error: sftp source "), result.stderr
+    assert elapsed < 15
+    expected = {"refused": "cannot reach", "silent": "failed", "unknown host key": "ssh-keyscan -p",
+                "wrong key": "authentication", "not a hub": "not readable"}[case]
+    assert expected in lines[0]
+    assert not (tmp_path / "local").exists() or not any((tmp_path / "local").rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("url, message", [
+    ("sftp://user:secret@127.0.0.1/hub", "passwords in URLs are refused"),
+    ("sftp://127.0.0.1:notaport/hub", "port is not a number"),
+    ("sftp://127.0.0.1", "expected sftp://"),
+    ("s3://bucket/hub", "only sftp:// URLs"),
+])
+def test_malformed_source_urls_are_bad_input(nas, tmp_path, url, message):
+    manifest = manifest_for(tmp_path / "m.toml", nas, url, tmp_path / "local")
+    result = run_stage("mirror", "--node", "dgx1", "--manifest", manifest)
+    assert result.code == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_nas_was_only_read(nas):
+    """For the whole module: every link and every file's bytes on the NAS are as built."""
+    assert tree(nas["hub"]) == nas["before"]
