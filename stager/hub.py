@@ -176,7 +176,7 @@ def resolve_revision(source: Source, repo_dir: str, revision: str) -> str | None
         return revision
     ref = f"{repo_dir}/refs/{revision}"
     st = source.lstat(ref)
-    if st is None or st.kind != "file":
+    if st is None or st.kind != "file" or _moved_by_dir_link(source, posixpath.dirname(ref)):
         return None
     text = source.read_small(ref, 128).decode("ascii", errors="replace").strip()
     return text if COMMIT.match(text) else None
@@ -194,6 +194,9 @@ def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -
     if commit is None or (source.lstat(snap_dir) or Stat("none", 0, 0, 0)).kind != "dir":
         return _with(base, problems=(Problem(source.display(f"{repo_dir}/refs/{revision}"), "missing",
                                              f"revision {revision!r} of {repo_id} has no snapshot on the NAS"),))
+    moved = _moved_by_dir_link(source, snap_dir)
+    if moved:
+        return _with(base, commit=commit, problems=(moved,))
     entries: list[Entry] = []
     excluded: list[str] = []
     problems: list[Problem] = []
@@ -213,9 +216,21 @@ def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -
             problems.append(Problem(source.display(rel), "unreadable", exc.strerror or str(exc)))
             continue
         entries.append(Entry(repo_id, path, chain, final.size, final.mtime_ns))
-    metadata = _metadata(source, repo_dir, commit)
+    metadata = _metadata(source, repo_dir, commit, problems)
     return RepoSnapshot(repo_id, revision, repo_dir, commit, tuple(entries), tuple(excluded),
                         tuple(metadata), tuple(problems), _tree_listing(source, repo_dir, commit))
+
+
+def _moved_by_dir_link(source: Source, rel_dir: str) -> Problem | None:
+    """A problem if a directory on the way to `rel_dir` is a link: lstat follows such a link, so a
+    `snapshots/` or `trees/` linked out of the hub would otherwise have outside files staged."""
+    real = source.canonical_dir(rel_dir)
+    if real == rel_dir:
+        return None
+    if real is None:
+        return Problem(source.display(rel_dir), "escape", "reached through a directory link that leaves the NAS hub")
+    return Problem(source.display(rel_dir), "dir_link",
+                   f"reached through a directory link to {source.display(real)}; only the hub's own layout is staged")
 
 
 def _with(base: RepoSnapshot, **changes) -> RepoSnapshot:
@@ -248,27 +263,42 @@ def _is_junk(name: str) -> bool:
     return name.endswith((".incomplete", ".lock")) or is_temp_name(name)
 
 
-def _metadata(source: Source, repo_dir: str, commit: str) -> list[str]:
+def _metadata(source: Source, repo_dir: str, commit: str, problems: list[Problem]) -> list[str]:
     """refs pointing at the staged commit, its trees/<commit>.json and its .no_exist markers.
 
     Refs to other commits are left behind: huggingface_hub's scanner reports a
     ref to a snapshot that is not in the cache as a corrupted repo.
     """
     found: list[str] = []
-    for rel in _files_under(source, f"{repo_dir}/refs"):
+    for rel in _files_under(source, f"{repo_dir}/refs", problems):
         if source.read_small(rel, 128) == commit.encode():
             found.append(rel)
-    for rel in (f"{repo_dir}/trees/{commit}.json",):
+    if _trees_in_place(source, repo_dir, problems):
+        rel = f"{repo_dir}/trees/{commit}.json"
         st = source.lstat(rel)
         if st is not None and st.kind == "file":
             found.append(rel)
-    found.extend(_files_under(source, f"{repo_dir}/.no_exist/{commit}"))
+    found.extend(_files_under(source, f"{repo_dir}/.no_exist/{commit}", problems))
     return found
 
 
-def _files_under(source: Source, rel_dir: str) -> list[str]:
+def _trees_in_place(source: Source, repo_dir: str, problems: list[Problem] | None = None) -> bool:
+    if source.lstat(f"{repo_dir}/trees") is None:
+        return False
+    moved = _moved_by_dir_link(source, f"{repo_dir}/trees")
+    if moved and problems is not None:
+        problems.append(moved)
+    return moved is None
+
+
+def _files_under(source: Source, rel_dir: str, problems: list[Problem]) -> list[str]:
     st = source.lstat(rel_dir)
-    if st is None or st.kind != "dir":
+    if st is None:
+        return []
+    moved = _moved_by_dir_link(source, rel_dir)
+    if moved:
+        problems.append(moved)
+    if moved or st.kind != "dir":
         return []
     out = []
     for name in source.listdir(rel_dir):
@@ -279,7 +309,7 @@ def _files_under(source: Source, rel_dir: str) -> list[str]:
         if child is None:
             continue
         if child.kind == "dir":
-            out.extend(_files_under(source, rel))
+            out.extend(_files_under(source, rel, problems))
         elif child.kind == "file":
             out.append(rel)
     return out
@@ -289,7 +319,7 @@ def _tree_listing(source: Source, repo_dir: str, commit: str) -> dict:
     """`trees/<commit>.json` files map, used as a reference hash for real files."""
     rel = f"{repo_dir}/trees/{commit}.json"
     st = source.lstat(rel)
-    if st is None or st.kind != "file" or st.size > 64 * 1024 * 1024:
+    if st is None or st.kind != "file" or st.size > 64 * 1024 * 1024 or not _trees_in_place(source, repo_dir):
         return {}
     try:
         data = json.loads(source.read_small(rel, st.size))
