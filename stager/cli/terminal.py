@@ -54,7 +54,13 @@ def byte_progress(enabled: bool, desc: str) -> Callable[[int], Callable[[int], N
 
 def print_problems(problems: list) -> None:
     for problem in problems:
-        say(f"  {problem.kind:<16} {problem.path}: {problem.detail}")
+        say(f"  {problem.kind:<16} {printable(problem.path)}: {printable(problem.detail)}")
+
+
+def printable(text: str) -> str:
+    """One problem, one line: a newline or a non-UTF-8 byte in a NAS file name is shown escaped
+    (`\\n`, `\\udcff` for byte 0xff) instead of breaking the line or the terminal."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def size(n: int) -> str:
