@@ -24,8 +24,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -208,24 +209,32 @@ class Workload:
     results: dict[str, dict] = field(default_factory=dict)
 
 
-def run_once(command: Command) -> tuple[float, int]:
-    """Wall seconds and peak RSS (KiB) of one run. Fails loudly: a benchmark of a failed copy is a lie."""
+def run_once(command: Command) -> tuple[float, int, float | None]:
+    """Wall seconds, peak RSS (KiB) and the seconds the tool itself reported (`--json`), if any.
+    Fails loudly: a benchmark of a failed copy is a lie."""
     argv = ["sh", "-c", command.argv] if isinstance(command.argv, str) else command.argv
-    started = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    # wait4 reports the child's own rusage with the largest RSS of any descendant it waited for.
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace")
-    proc.stderr.close()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=err)
+        # wait4 reports the child's own rusage with the largest RSS of any descendant it waited for.
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read().decode(errors="replace")
     if proc.returncode != 0:
-        raise SystemExit(f"bench: {command.name} failed (exit {proc.returncode}): {err.strip()[-2000:]}")
-    return seconds, usage.ru_maxrss
+        raise SystemExit(f"bench: {command.name} failed (exit {proc.returncode}): {stderr.strip()[-2000:]}")
+    try:
+        reported = json.loads(stdout).get("seconds") if command.ours else None
+    except ValueError:
+        reported = None
+    return seconds, usage.ru_maxrss, reported
 
 
 def measure(workload: Workload, reps: int, warmup: int, can_drop: bool) -> None:
     times: dict[str, list[float]] = {c.name: [] for c in workload.commands}
+    inside: dict[str, list[float]] = {c.name: [] for c in workload.commands}
     rss: dict[str, int] = {c.name: 0 for c in workload.commands}
     for rep in range(warmup + reps):
         for command in workload.commands:  # interleaved: A B C, A B C, ...
@@ -233,11 +242,13 @@ def measure(workload: Workload, reps: int, warmup: int, can_drop: bool) -> None:
                 command.prepare()
             if workload.cold and can_drop:
                 drop_caches()
-            seconds, peak = run_once(command)
+            seconds, peak, reported = run_once(command)
             label = "warm-up" if rep < warmup else f"run {rep - warmup + 1}/{reps}"
             say(f"{workload.name}: {command.name}: {seconds:.3f}s, {peak / 1024:.0f} MiB ({label})")
             if rep >= warmup:
                 times[command.name].append(seconds)
+                if reported is not None:
+                    inside[command.name].append(reported)
             rss[command.name] = max(rss[command.name], peak)
     base = statistics.median(times[workload.baseline])
     for command in workload.commands:
@@ -252,6 +263,8 @@ def measure(workload: Workload, reps: int, warmup: int, can_drop: bool) -> None:
             "max_s": round(max(runs), 4),
             "ratio": round(median / base, 3) if base > 0 else None,
             "peak_rss_mib": round(rss[command.name] / 1024, 1),
+            # The tool's own `seconds` (--json): the wall time less interpreter start-up and imports.
+            "tool_median_s": round(statistics.median(inside[command.name]), 4) if inside[command.name] else None,
         }
 
 
@@ -286,11 +299,11 @@ def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
     big_hub = ds.local["big"]
     result = [
         Workload("cold_mirror", "Cold mirror, sampled verify", [
-            Command("stage mirror", stage("mirror", "--node", "big"), fresh(big_hub), ours=True),
+            Command("stage mirror", stage("mirror", "--node", "big", "--json"), fresh(big_hub), ours=True),
             *[Command(name, cmd, fresh(out / d)) for name, cmd, d, ok in copy_peers if ok],
         ], baseline="cp -rL && sync"),
         Workload("cold_mirror_full", "Cold mirror, --full (sha256 of every byte)", [
-            Command("stage mirror --full", stage("mirror", "--node", "big", "--full"), fresh(big_hub), ours=True),
+            Command("stage mirror --full", stage("mirror", "--node", "big", "--full", "--json"), fresh(big_hub), ours=True),
             Command("cp -rL && sync", copy_peers[0][1], fresh(out / "cp")),
             Command("cp -rL && sync && sha256sum", f"{copy_peers[0][1]} && {sha_all.format(d=dest('cp'))}",
                     fresh(out / "cp")),
@@ -300,12 +313,15 @@ def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
                        f"{copy_peers[2][1]} && rclone check -L --config /dev/null {snap} {dest('rclone')}",
                        fresh(out / "rclone"))] if peers["rclone"] else []),
         ], baseline="cp -rL && sync"),
-        # Nothing to do: the destinations are whole from the warm-up round. Page cache left warm.
+        # Nothing to do: each destination is filled once, untimed, by the same command. Page cache left warm.
         Workload("warm_rerun", "Warm re-run, nothing to copy", [
-            Command("stage mirror", stage("mirror", "--node", "big"), ours=True),
-            *([Command("rsync -aL (no-op)", f"rsync -aL {snap}/ {dest('rsync-warm')}/")] if peers["rsync"] else []),
-            *([Command("rclone copy -L (no-op)", f"rclone copy -L --config /dev/null {snap} {dest('rclone-warm')}")]
-              if peers["rclone"] else []),
+            _filled_once(Command("stage mirror", stage("mirror", "--node", "big", "--json"), ours=True),
+                         big_hub / ds.snapshot.relative_to(ds.nas)),
+            *([_filled_once(Command("rsync -aL (no-op)", f"rsync -aL {snap}/ {dest('rsync-warm')}/"),
+                            out / "rsync-warm")] if peers["rsync"] else []),
+            *([_filled_once(Command("rclone copy -L (no-op)",
+                                    f"rclone copy -L --config /dev/null {snap} {dest('rclone-warm')}"),
+                            out / "rclone-warm")] if peers["rclone"] else []),
         ], baseline="stage mirror", cold=False),
     ]
     result.append(_verify_workload(ds, stage, peers))
@@ -313,12 +329,21 @@ def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
         result.append(_engram_workload(ds, stage))
     small_hub = ds.local["small"]
     result.append(Workload(f"small_files", f"{ds.small_files} small files", [
-        Command("stage mirror --jobs 1", stage("mirror", "--node", "small", "--jobs", "1"), fresh(small_hub),
+        Command("stage mirror --jobs 1", stage("mirror", "--node", "small", "--jobs", "1", "--json"), fresh(small_hub),
                 ours=True),
-        Command("stage mirror", stage("mirror", "--node", "small"), fresh(small_hub), ours=True),
+        Command("stage mirror", stage("mirror", "--node", "small", "--json"), fresh(small_hub), ours=True),
         Command("cp -rL && sync", f"cp -rL {small_snap} {dest('small-cp')} && sync", fresh(out / "small-cp")),
     ], baseline="cp -rL && sync"))
     return result
+
+
+def _filled_once(command: Command, filled: Path) -> Command:
+    """`command`, preceded (untimed) by one run of itself where `filled` does not exist yet."""
+    def prepare() -> None:
+        if not filled.exists():
+            filled.parent.mkdir(parents=True, exist_ok=True)
+            run_once(command)
+    return replace(command, prepare=prepare)
 
 
 def _verify_workload(ds: Dataset, stage: Callable[..., list[str]], peers: dict[str, bool]) -> Workload:
@@ -365,7 +390,7 @@ def _engram_workload(ds: Dataset, stage: Callable[..., list[str]]) -> Workload:
         copy.unlink(missing_ok=True)
 
     return Workload("pack_engram", "pack-engram, one rank", [
-        Command("stage pack-engram", stage("pack-engram", "--node", "engram", "--rank", "0"), fresh_shards,
+        Command("stage pack-engram", stage("pack-engram", "--node", "engram", "--rank", "0", "--json"), fresh_shards,
                 ours=True),
         Command("cp && sync", f"cp {shlex.quote(str(same_size))} {shlex.quote(str(copy))} && sync", fresh_copy),
     ], baseline="cp && sync")
@@ -419,13 +444,15 @@ def markdown(report: dict) -> str:
     lines = [f"Hub: {report['data']['hub_gib']} GiB in {report['data']['blobs']} blobs; "
              f"{report['reps']} timed runs after {report['warmup']} warm-up, interleaved; "
              f"page cache {'dropped before every cold run' if report['page_cache_dropped'] else 'NOT dropped (not root)'}.",
-             "", "| workload | command | median s | min-max s | ratio | peak RSS MiB |", "|---|---|---:|---:|---:|---:|"]
+             "", "| workload | command | median s | min-max s | ratio | peak RSS MiB | in-tool s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for w in report["workloads"]:
         for name, r in w["results"].items():
             mark = f"**{name}**" if r["ours"] else name
             base = " (base)" if name == w["baseline"] else ""
             lines.append(f"| {w['title']} | {mark}{base} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} "
-                         f"| {r['ratio']:.2f} | {r['peak_rss_mib']:.0f} |")
+                         f"| {r['ratio']:.2f} | {r['peak_rss_mib']:.0f} "
+                         f"| {'' if r['tool_median_s'] is None else format(r['tool_median_s'], '.3f')} |")
     lines += ["", "| target | measured | limit | met |", "|---|---:|---:|---|"]
     for t in report["targets"]:
         shown = "n/a" if t["value"] is None else f"{t['value']}"
@@ -440,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engram-size", default=None, help="bytes of one rank's Engram shard (default 1.1GiB)")
     parser.add_argument("--small-files", type=int, default=1000, help="files in the small-files model")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per command (default 3; --quick: 1)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1; --quick: 1)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the data goes (default: a new dir in /tmp)")
     parser.add_argument("--out", type=Path, default=None, help="where bench.json and bench.md go (default: workdir)")
     parser.add_argument("--only", action="append", help="run only this workload (repeatable)")
@@ -454,9 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     size = parse_size(args.size or ("24MiB" if args.quick else "4GiB"))
     engram_bytes = parse_size(args.engram_size or ("4MiB" if args.quick else "1.1GiB"))
     reps = args.reps or (1 if args.quick else 3)
-    warmup = args.warmup if args.warmup is not None else 1
-    if not args.quick and reps < 3:
-        parser.error("--reps must be at least 3 outside --quick")
+    warmup = args.warmup
+    if not args.quick and (reps < 3 or warmup < 1):
+        parser.error("outside --quick: at least 3 timed runs (--reps) after at least 1 warm-up (--warmup)")
     workdir = args.workdir or Path(f"/tmp/stage-bench-{os.getpid()}")
     workdir.mkdir(parents=True, exist_ok=True)
     out_dir = args.out or workdir
