@@ -17,6 +17,7 @@ the NAS-level shared store leaves the weights resolving through the NAS.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import os
@@ -37,6 +38,7 @@ GIT_SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
 _SHARED_PAYLOAD = re.compile(r"^blobs/[^/]+/[^/]+$")
 # The kernel gives up after 40 links (ELOOP); so do we, which also bounds hostile chains.
 MAX_HOPS = 40
+_LINK_ERRNOS = {errno.ELOOP: "loop", errno.ENOTDIR: "dangling"}
 
 
 def repo_dir_name(repo_id: str, repo_type: str = "model") -> str:
@@ -139,7 +141,13 @@ def resolve_chain(source: Source, rel: str) -> tuple[tuple[str, ...], Stat]:
     current = rel
     seen = {rel}
     while True:
-        st = source.lstat(current)
+        try:
+            st = source.lstat(current)
+        except OSError as exc:
+            # A directory part that loops (a -> a/a) or is a file: the kernel's ELOOP and ENOTDIR.
+            if exc.errno not in _LINK_ERRNOS:
+                raise
+            raise LinkError(_LINK_ERRNOS[exc.errno], f"{source.display(current)}: {exc.strerror}") from None
         if st is None:
             raise LinkError("dangling", f"link target {source.display(current)} does not exist")
         if st.kind == "file":
@@ -150,15 +158,23 @@ def resolve_chain(source: Source, rel: str) -> tuple[tuple[str, ...], Stat]:
             raise LinkError("loop", f"more than {MAX_HOPS} link hops")
         target = source.readlink(current)
         if os.path.isabs(target):
+            if ".." in target.split("/"):
+                raise LinkError("escape", f"absolute link to {target} climbs with '..'; only plain paths are followed")
             nxt = source.absolute_to_rel(target)
             if nxt is None:
                 raise LinkError("escape", f"absolute link to {target} is outside the NAS hub and its aliases")
+            parent, name = posixpath.split(nxt)
         else:
             joined = posixpath.normpath(posixpath.join(posixpath.dirname(current), target))
             if joined == ".." or joined.startswith("../"):
                 raise LinkError("escape", f"relative link {target!r} leaves the NAS hub")
-            nxt = joined
-        parent, name = posixpath.split(nxt)
+            # The directory part goes to canonical_dir unnormalized: like the kernel, it resolves a
+            # link before the ".." after it. Collapsing "d/.." first staged the link's own directory's
+            # file where a client opening the NAS path reads the one beside d's target.
+            parent = posixpath.join(posixpath.dirname(current), posixpath.dirname(target))
+            name = posixpath.basename(target)
+        if name in ("", ".", ".."):
+            raise LinkError("not_a_file", f"link target {target!r} names a directory, not a regular file")
         real_parent = source.canonical_dir(parent)
         if real_parent is None:
             raise LinkError("escape", f"link target {target!r} resolves outside the NAS hub through a directory link")
