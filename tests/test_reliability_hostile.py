@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import subprocess
 import time
@@ -290,3 +291,37 @@ def test_a_refs_directory_linked_outside_the_hub_is_not_followed(tmp_path):
     problem, = run_json(result)["problems"]
     assert problem["kind"] == "missing", "revision main cannot be read through a link out of the hub"
     assert not (staging.local / repo.name).exists()
+
+
+# ---------------------------------------------------------------- hostile archive sources
+
+def test_archive_of_a_hostile_directory(tmp_path):
+    """FIFOs and links are left in place (never opened, never followed); names with newlines and
+    non-UTF-8 bytes are archived and listed so that `sha256sum -c` checks them."""
+    src, dest, outside = tmp_path / "old" / "tp2", tmp_path / "archive", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.bin").write_bytes(SECRET)
+    src.mkdir(parents=True)
+    dest.mkdir()
+    names = ["plain.bin", "with space.bin", "new\nline.bin", os.fsdecode(b"bad-\xff.bin"), "back\\slash.bin"]
+    for i, name in enumerate(names):
+        (src / name).write_bytes(bytes([i]) * 1000)
+    os.mkfifo(src / "fifo")
+    os.symlink(str(outside / "secret.bin"), src / "link-out")
+    os.symlink(str(outside), src / "dir-link-out")
+    with untouched(outside, what="outside"):
+        result = run_stage("archive", str(src), str(dest), "--json", timeout=30)
+    assert "Traceback" not in result.stderr
+    assert result.code == 0, result.stderr + result.stdout
+    report = run_json(result)
+    assert {Path(p["path"]).name: p["kind"] for p in report["skipped"]} == {
+        "fifo": "not_a_file", "link-out": "symlink", "dir-link-out": "symlink"}
+    for i, name in enumerate(names):
+        assert (dest / "tp2" / name).read_bytes() == bytes([i]) * 1000
+        assert not (src / name).exists()
+    assert os.path.islink(src / "link-out") and stat.S_ISFIFO(os.lstat(src / "fifo").st_mode)
+    check = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=dest, capture_output=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.count(b": OK") == len(names)
+    assert not any(p.read_bytes() == SECRET for p in dest.rglob("*") if p.is_file())
+
