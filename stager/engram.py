@@ -725,6 +725,8 @@ def _pack_shard(spec: ShardSpec, checkpoint: Checkpoint, progress: Callable[[int
             header = spec.header()
             hasher.update(header)
             out.write(header)
+            if progress:
+                progress(HEADER_BYTES)  # the bar's total is whole shards, headers included
             flushed, written = [0], [HEADER_BYTES]
 
             def write(rows: memoryview, _first_row: int) -> None:

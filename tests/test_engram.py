@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -494,3 +495,35 @@ def test_more_ranks_than_rows_gives_empty_shards_that_verify(tmp_path):
     assert all(s["skipped"] for s in pack(env)["shards"])
     code, report = verify(env, "--full")
     assert code == 0 and report["ok"] == report["checked"], report
+
+
+def run_on_pty(*args: str) -> tuple[int, str]:
+    """Run the CLI with stdout and stderr on a pseudo-terminal, as an operator's shell would."""
+    import pty
+
+    main, child = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "stager", *args], stdout=child, stderr=child,
+                            env={**os.environ, "COLUMNS": "100"})
+    os.close(child)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(main)
+    return proc.wait(timeout=120), output.decode(errors="replace")
+
+
+def test_progress_bar_in_bytes_on_a_terminal_only_without_json(tmp_path):
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011})
+    code, text = run_on_pty("pack-engram", "--rank", "0", "--node", "dgx1", "--manifest", str(env["manifest"]))
+    assert code == 0 and "pack-engram" in text and "100%" in text and "B/s" in text, text
+    assert "packed  " in text and "engram-l14-r0of3.bin" in text
+    shutil.rmtree(env["dir"])
+    code, text = run_on_pty("pack-engram", "--rank", "0", "--node", "dgx1", "--manifest", str(env["manifest"]), "--json")
+    assert code == 0 and "B/s" not in text and "%|" not in text
+    assert json.loads(text)["shards"][0]["skipped"] is False
