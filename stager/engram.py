@@ -406,8 +406,8 @@ def shard_specs(manifest: Manifest, node_name: str, checkpoint: Checkpoint, *, r
     specs = []
     for layer in layers:
         if layer not in checkpoint.tables:
-            raise BadInput(f"layer {layer}: {checkpoint.repo_id} has Engram tables for layers "
-                           f"{sorted(checkpoint.tables)} only")
+            raise BadInput(f"{manifest.path}: engram.layers / --layer: layer {layer}: {checkpoint.repo_id} has "
+                           f"Engram tables for layers {sorted(checkpoint.tables)} only")
         table = checkpoint.tables[layer]
         heads = checkpoint.head_rows(layer, engram.engram_head_rows) if engram.layout == "heads" else None
         for rank in ranks:

@@ -527,3 +527,11 @@ def test_progress_bar_in_bytes_on_a_terminal_only_without_json(tmp_path):
     code, text = run_on_pty("pack-engram", "--rank", "0", "--node", "dgx1", "--manifest", str(env["manifest"]), "--json")
     assert code == 0 and "B/s" not in text and "%|" not in text
     assert json.loads(text)["shards"][0]["skipped"] is False
+
+
+def test_layers_from_the_manifest_and_the_command_line(tmp_path):
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011}, extra_engram="layers = [14]\n")
+    assert [s["layer"] for s in pack(env, "--rank", 0)["shards"]] == [14]
+    assert [s["layer"] for s in pack(env, "--rank", 0, "--layer", 1, "--layer", 1)["shards"]] == [1]
+    err = pack(env, "--rank", 0, "--layer", 5, code=2)["stderr"]
+    assert "layer 5" in err and "layers [1, 14] only" in err
