@@ -371,6 +371,7 @@ def archive(sources: list[str], dest: str, *,
     dest_dir = check_dest(dest)
     report = ArchiveReport(str(dest_dir))
     with writer_lock(dest_dir / LOCK_NAME, f"archive {dest_dir}"):
+        _sweep_signpost_temps(sources)
         walked = walk_sources(sources, dest_dir)
         report.skipped.extend(walked.skipped)
         report.problems.extend(walked.problems)
@@ -389,7 +390,8 @@ def archive(sources: list[str], dest: str, *,
         total = sum(s.file.size for s in steps if s.action == "copy")
         progress = progress_factory(total) if progress_factory and total else None
         log = MovedLog(dest_dir, socket.gethostname())
-        for directory in sorted({(dest_dir / s.file.name).parent for s in steps}):
+        # DEST itself too: a run killed while rewriting SHA256SUMS left its temp file there.
+        for directory in sorted({dest_dir} | {(dest_dir / s.file.name).parent for s in steps}):
             ensure_dir(directory)
             sweep_temps(directory)  # left by a killed run; we hold the lock
         for step in steps:
@@ -447,6 +449,17 @@ def _move(step: Step, dest: Path, log: MovedLog, progress, report: ArchiveReport
         report.problems.append(Problem(str(file.path), "not_deleted",
                                        f"copied and verified, but the source could not be deleted: {exc.strerror or exc}"))
     return moved
+
+
+def _sweep_signpost_temps(sources: list[str]) -> None:
+    """A run killed while rewriting a MOVED.txt left its temp file beside it, in SRC, where no
+    temp sweep of DEST reaches; only this tool writes `.MOVED.txt.stage-*.tmp`."""
+    for src in map(os.path.abspath, sources):
+        group = src if os.path.isdir(src) and not os.path.islink(src) else os.path.dirname(src)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(group):
+                if is_temp_name(entry.name) and entry.name.startswith(f".{MOVED_NAME}.stage-"):
+                    os.unlink(entry.path)
 
 
 def _prune_empty_dirs(group: Path) -> None:
