@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -18,9 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from conftest import REPO, Result, run_stage, sha256_file, write_manifest
+from conftest import Result, run_stage, sha256_file, write_manifest
 from hubgen import Hub, Snapshot, add_engram_checkpoint, random_safetensors
 from stager.atomic import is_temp_name
 
@@ -87,6 +90,75 @@ def build_staging(root: Path, *, shards: int, shard_bytes: int, local: Path | No
     snap.finish(no_exist=("generation_config.json",))
     manifest = write_manifest(root / "cluster.toml", nas, local, {MODEL: {}}, reserve=reserve, extra=extra)
     return Staging(root, nas, local, manifest, snap, engram_dir)
+
+
+# ---------------------------------------------------------------- Engram shards, independently
+
+def engram_reference(source: Path, layer: int, lo: int, hi: int) -> bytes:
+    """A shard's bytes, derived here without stager: header fields packed by hand, rows interleaved
+    from the safetensors spans read by offset."""
+    data = source.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    start = 8 + length
+    weight = header[f"model.layers.{layer}.engram.embed.weight"]
+    scale = header[f"model.layers.{layer}.engram.embed.scale"]
+    rows = weight["shape"][0]
+    w = np.frombuffer(data, np.uint8, rows * 256, start + weight["data_offsets"][0]).reshape(rows, 256)
+    s = np.frombuffer(data, np.uint8, rows * 8, start + scale["data_offsets"][0]).reshape(rows, 8)
+    head = struct.pack("<6Q", 0x31344E4531565344, layer, lo, hi, rows, 264).ljust(4096, b"\0")
+    return head + np.hstack([w[lo:hi], s[lo:hi]]).tobytes()
+
+
+def expected_shards(staging: Staging) -> dict[str, str]:
+    """sha256 of every shard of the staged Engram table for TP=ENGRAM_WORLD, from engram_reference."""
+    source = staging.local / staging.snapshot.dir.relative_to(staging.nas) / "model-engram.safetensors"
+    with open(source, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    expected = {}
+    for name, tensor in header.items():
+        if name.endswith(".engram.embed.weight"):
+            layer, rows = int(name.split(".")[2]), tensor["shape"][0]
+            for rank in range(ENGRAM_WORLD):
+                lo, hi = rows * rank // ENGRAM_WORLD, rows * (rank + 1) // ENGRAM_WORLD
+                shard = engram_reference(source, layer, lo, hi)
+                expected[f"engram-l{layer}-r{rank}of{ENGRAM_WORLD}.bin"] = hashlib.sha256(shard).hexdigest()
+    return expected
+
+
+def assert_engram_truthful(directory: Path, expected: dict[str, str]) -> None:
+    """Shards absent or byte-exact; a receipt or a SHA256SUMS line only ever names the right hash."""
+    if not directory.exists():
+        return
+    for name in os.listdir(directory):
+        path = directory / name
+        if is_temp_name(name) or name == ".locks":
+            continue
+        if name in expected:
+            assert sha256_file(path) == expected[name], f"{name}: wrong bytes under the final name"
+        elif name.endswith(".json"):
+            receipt = json.loads(path.read_text())
+            assert receipt["sha256"] == expected[path.with_suffix(".bin").name], f"{name} names a wrong hash"
+        elif name == "SHA256SUMS":
+            for line in path.read_text().splitlines():
+                digest, listed = line.split("  ", 1)
+                assert expected[listed] == digest, f"SHA256SUMS names a wrong hash for {listed}"
+        else:
+            raise AssertionError(f"unexpected file {path}")
+
+
+def assert_engram_converged(staging, expected: dict[str, str]) -> None:
+    rerun = staging.stage("pack-engram", "--json")
+    assert rerun.code == 0, rerun.stderr
+    assert {Path(s["path"]).name for s in run_json(rerun)["shards"]} == set(expected)
+    full = staging.verify_full()
+    assert full.code == 0, full.stderr + full.stdout
+    directory = staging.engram_dir
+    sums = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=directory, capture_output=True)
+    assert sums.returncode == 0, sums.stdout + sums.stderr
+    assert temp_files(directory) == []
+    assert_engram_truthful(directory, expected)
 
 
 def run_json(result: Result) -> dict:

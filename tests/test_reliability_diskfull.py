@@ -11,24 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from reliability_support import (MiB, assert_converged, assert_hub_truthful, build_staging, needs_root, temp_files,
-                                 tmpfs, untouched)
+from reliability_support import (MiB, assert_converged, assert_engram_converged, assert_engram_truthful,
+                                 assert_hub_truthful, build_staging, expected_shards, needs_root, temp_files, tmpfs,
+                                 untouched)
 
 SHARDS = 10
 SHARD_BYTES = 3 * MiB
 
-# Waits for the first blob to land under a final name in the hub, then takes every free byte of
-# the filesystem with one fallocate (then writes, for filesystems that lack it), and says so.
+# Waits until a file matching one of the globs has landed under a final name, then takes every
+# free byte of the filesystem with one fallocate (then writes, for filesystems that lack it).
 FILLER = r"""
-import errno, os, sys, time
-hub, filler = sys.argv[1], sys.argv[2]
+import errno, glob, os, sys, time
+filler, patterns = sys.argv[1], sys.argv[2:]
 print("ready", flush=True)
 def landed():
-    for top in (os.path.join(hub, "blobs"), hub):
-        for directory, _dirs, files in os.walk(top):
-            if "/blobs" in directory and any(not f.startswith(".") for f in files):
-                return True
-    return False
+    return any(os.path.isfile(p) and not os.path.basename(p).startswith(".")
+               for pattern in patterns for p in glob.glob(pattern))
 while not landed():
     time.sleep(0.001)
 fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -46,6 +44,31 @@ except OSError as exc:
 os.close(fd)
 print("filled", flush=True)
 """
+
+
+def run_with_filler(run, filler_path: Path, *patterns: str):
+    """`run()` while a filler takes all free space once the first file matching `patterns` lands."""
+    filler = subprocess.Popen([sys.executable, "-c", FILLER, str(filler_path), *patterns],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert filler.stdout.readline().strip() == "ready"
+        result = run()
+        assert filler.wait(timeout=30) == 0 and filler.stdout.readline().strip() == "filled"
+    finally:
+        filler.kill()
+        filler.wait()
+    return result
+
+
+def assert_stopped_on_enospc(result, root: Path) -> None:
+    """Exit 3, one line naming the file under `root` being written, and no temp file left."""
+    assert result.code == 3, result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    match = re.fullmatch(r"stage: error: no space left on device while writing (\S+)", message)
+    assert match, message
+    assert match.group(1).startswith(str(root) + "/"), "the message names the file being written"
+    assert temp_files(root) == [], "a disk-full stop leaves no temp file behind"
 
 
 @pytest.fixture
@@ -89,29 +112,30 @@ def test_preflight_counts_the_reserve(small_disk):
 
 def test_space_taken_mid_run_stops_cleanly_and_the_rerun_converges(small_disk):
     staging, mount, _needed = small_disk
-    filler_path = mount / "filler"
-    filler = subprocess.Popen([sys.executable, "-c", FILLER, str(staging.local), str(filler_path)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert filler.stdout.readline().strip() == "ready"
-        with untouched(staging.nas):
-            # One copy at a time: the filler strikes after the first blob, with blobs still to go.
-            result = staging.mirror("--jobs", "1")
-        assert filler.wait(timeout=30) == 0 and filler.stdout.readline().strip() == "filled"
-    finally:
-        filler.kill()
-        filler.wait()
-    assert result.code == 3, result.stderr + result.stdout
-    assert "Traceback" not in result.stderr
-    message = result.stderr.strip().splitlines()[-1]
-    match = re.fullmatch(r"stage: error: no space left on device while writing (\S+)", message)
-    assert match, message
-    assert match.group(1).startswith(str(staging.local) + "/"), "the message names the file being written"
-    assert temp_files(mount) == [], "a disk-full stop leaves no temp file behind"
+    with untouched(staging.nas):
+        # One copy at a time: the filler strikes after the first blob, with blobs still to go.
+        result = run_with_filler(lambda: staging.mirror("--jobs", "1"), mount / "filler",
+                                 f"{staging.local}/blobs/*/*", f"{staging.local}/models--*/blobs/*")
+    assert_stopped_on_enospc(result, staging.local)
     check = assert_hub_truthful(staging.local, staging.nas, staging.snapshot)
     assert 1 <= check.files and not check.ref_present, "stopped part-way: some blobs landed, no ref yet"
-    os.unlink(filler_path)
+    os.unlink(mount / "filler")
     assert_converged(staging)
+
+
+def test_space_taken_mid_pack_stops_cleanly_and_the_rerun_converges(tmp_path):
+    needs_root()
+    staging = build_staging(tmp_path, shards=1, shard_bytes=MiB, engram={1: 20_011, 14: 20_021})
+    assert staging.mirror().code == 0
+    expected = expected_shards(staging)
+    shard_bytes = sum(4096 + rows * 264 for rows in (20_011, 20_021))
+    with tmpfs(staging.engram_dir, shard_bytes + MiB), untouched(staging.nas, staging.local, what="source"):
+        result = run_with_filler(lambda: staging.stage("pack-engram", "--json"), staging.engram_dir / "filler",
+                                 f"{staging.engram_dir}/engram-*.bin")
+        assert_stopped_on_enospc(result, staging.engram_dir)
+        (staging.engram_dir / "filler").unlink()
+        assert_engram_truthful(staging.engram_dir, expected)
+        assert_engram_converged(staging, expected)
 
 
 def test_full_disk_with_nothing_to_copy_still_succeeds(small_disk):

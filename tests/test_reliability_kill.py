@@ -4,23 +4,18 @@ and the next run converges to a result that passes `stage verify --full`."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import random
 import shutil
-import struct
 import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pytest
 
-from reliability_support import (ENGRAM_WORLD as WORLD, MiB, assert_converged, assert_hub_truthful, build_staging,
-                                 STAGE, calibrate, copying, kill_at, random_safetensors, run_json, sha256_file,
-                                 temp_files, untouched)
-from stager.atomic import is_temp_name
+from reliability_support import (STAGE, MiB, assert_converged, assert_engram_converged, assert_engram_truthful,
+                                 assert_hub_truthful, build_staging, calibrate, copying, expected_shards, kill_at,
+                                 random_safetensors, sha256_file, temp_files, untouched)
 
 TRIALS = 20
 # Row counts TP=3 does not divide; a few MiB per shard, so a shard is in flight for a while.
@@ -71,68 +66,11 @@ def test_mirror_killed_at_random_points(staging):
 
 # ---------------------------------------------------------------- stage pack-engram
 
-def engram_reference(source: Path, layer: int, lo: int, hi: int) -> bytes:
-    """A shard's bytes, derived here without stager: header fields packed by hand, rows interleaved
-    from the safetensors spans read by offset."""
-    data = source.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + length])
-    start = 8 + length
-    weight = header[f"model.layers.{layer}.engram.embed.weight"]
-    scale = header[f"model.layers.{layer}.engram.embed.scale"]
-    rows = weight["shape"][0]
-    w = np.frombuffer(data, np.uint8, rows * 256, start + weight["data_offsets"][0]).reshape(rows, 256)
-    s = np.frombuffer(data, np.uint8, rows * 8, start + scale["data_offsets"][0]).reshape(rows, 8)
-    head = struct.pack("<6Q", 0x31344E4531565344, layer, lo, hi, rows, 264).ljust(4096, b"\0")
-    return head + np.hstack([w[lo:hi], s[lo:hi]]).tobytes()
-
-
 @pytest.fixture
 def engram(tmp_path):
     staging = build_staging(tmp_path, shards=1, shard_bytes=MiB, engram=ENGRAM_ROWS)
     assert staging.mirror().code == 0
-    source = staging.local / staging.snapshot.dir.relative_to(staging.nas) / "model-engram.safetensors"
-    expected = {}
-    for layer, rows in ENGRAM_ROWS.items():
-        for rank in range(WORLD):
-            lo, hi = rows * rank // WORLD, rows * (rank + 1) // WORLD
-            shard = engram_reference(source, layer, lo, hi)
-            expected[f"engram-l{layer}-r{rank}of{WORLD}.bin"] = hashlib.sha256(shard).hexdigest()
-    return staging, expected
-
-
-def assert_engram_truthful(directory: Path, expected: dict[str, str]) -> None:
-    """Shards absent or byte-exact; a receipt or a SHA256SUMS line only ever names the right hash."""
-    if not directory.exists():
-        return
-    for name in os.listdir(directory):
-        path = directory / name
-        if is_temp_name(name) or name == ".locks":
-            continue
-        if name in expected:
-            assert sha256_file(path) == expected[name], f"{name}: wrong bytes under the final name"
-        elif name.endswith(".json"):
-            receipt = json.loads(path.read_text())
-            assert receipt["sha256"] == expected[path.with_suffix(".bin").name], f"{name} names a wrong hash"
-        elif name == "SHA256SUMS":
-            for line in path.read_text().splitlines():
-                digest, listed = line.split("  ", 1)
-                assert expected[listed] == digest, f"SHA256SUMS names a wrong hash for {listed}"
-        else:
-            raise AssertionError(f"unexpected file {path}")
-
-
-def assert_engram_converged(staging, expected: dict[str, str]) -> None:
-    rerun = staging.stage("pack-engram", "--json")
-    assert rerun.code == 0, rerun.stderr
-    assert {Path(s["path"]).name for s in run_json(rerun)["shards"]} == set(expected)
-    full = staging.verify_full()
-    assert full.code == 0, full.stderr + full.stdout
-    directory = staging.engram_dir
-    sums = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=directory, capture_output=True)
-    assert sums.returncode == 0, sums.stdout + sums.stderr
-    assert temp_files(directory) == []
-    assert_engram_truthful(directory, expected)
+    return staging, expected_shards(staging)
 
 
 def test_pack_engram_killed_at_random_points(engram):
