@@ -22,6 +22,7 @@ import random
 import re
 import secrets
 import socket
+import stat
 import struct
 import time
 from collections import deque
@@ -547,9 +548,13 @@ def check_shard(spec: ShardSpec, checkpoint: Checkpoint, sums: dict[str, str], *
     versioned by its magic, and a newer tool has no reason to rewrite identical bytes.
     """
     try:
-        size = os.stat(spec.path).st_size
+        st = os.lstat(spec.path)
     except FileNotFoundError:
         return "not packed yet"
+    if not stat.S_ISREG(st.st_mode):
+        # A link could point at the NAS copy, which is exactly what packing exists to avoid.
+        return "not a regular file"
+    size = st.st_size
     if size != spec.bytes:
         return f"size {size} != {spec.bytes} (truncated, or from another layout)"
     with open(spec.path, "rb") as shard:
@@ -712,6 +717,8 @@ def _preflight(engram_dir: Path, needed: int, reserve: int) -> None:
 
 def _pack_shard(spec: ShardSpec, checkpoint: Checkpoint, progress: Callable[[int], None] | None) -> str:
     """Write one shard atomically and return its sha256, computed from the bytes as they are written."""
+    if spec.path.is_dir() and not spec.path.is_symlink():
+        raise CannotRun(f"{spec.path} is a directory; move it away so the shard can be written")
     # The old receipt goes first: a crash from here on leaves no receipt, so the next run repacks.
     spec.receipt.unlink(missing_ok=True)
     fsync_dir(spec.path.parent)

@@ -523,3 +523,15 @@ def test_layers_from_the_manifest_and_the_command_line(tmp_path):
     assert [s["layer"] for s in pack(env, "--rank", 0, "--layer", 1, "--layer", 1)["shards"]] == [1]
     err = pack(env, "--rank", 0, "--layer", 5, code=2)["stderr"]
     assert "layer 5" in err and "layers [1, 14] only" in err
+
+
+def test_a_linked_shard_is_replaced_by_a_real_file(tmp_path):
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011})
+    shards = pack(env, "--rank", 0)["shards"]
+    real = Path(shards[0]["path"])
+    elsewhere = tmp_path / "elsewhere.bin"
+    os.replace(real, elsewhere)
+    os.symlink(elsewhere, real)
+    again = pack(env, "--rank", 0)["shards"]
+    assert again[0]["reason"] == "not a regular file" and not real.is_symlink()
+    assert real.read_bytes() == elsewhere.read_bytes()
