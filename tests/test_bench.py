@@ -50,7 +50,9 @@ def test_quick_bench_reports_every_workload_peer_and_ratio(tmp_path: Path):
     # The baseline's ratio is 1 by definition; ours report their own in-tool seconds.
     assert commands["cold_mirror"]["cp -rL && sync"]["ratio"] == 1.0
     assert commands["cold_mirror"]["stage mirror"]["tool_median_s"] > 0
-    assert report["page_cache_dropped"] == (os.geteuid() == 0)
+    # Cold runs drop the page cache where they may, and the table says which it was.
+    dropped = report["page_cache_dropped"]
+    assert ("dropped before every cold run" if dropped else "NOT dropped") in table
 
     # Every target has a measured value and a verdict; the table lists each one.
     assert len(report["targets"]) == 11
