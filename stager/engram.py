@@ -787,8 +787,10 @@ def verify_engram(manifest: Manifest, node_name: str, *, full: bool, seed: int |
             report.ok += 1
         else:
             kind = "missing" if reason == "not packed yet" else "mismatch"
-            report.problems.append(Problem(str(spec.path), kind, f"{reason} (repair: stage pack-engram --node "
-                                                                  f"{node_name} --rank {spec.rank})"))
+            repair = f"stage pack-engram --node {node_name} --rank {spec.rank}"
+            report.problems.append(Problem(str(spec.path), kind, f"{reason} (repair: {repair})"))
+            if repair not in report.repairs:
+                report.repairs.append(repair)
     return report
 
 

@@ -174,6 +174,8 @@ def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source
     report = verify_snapshots(reference, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs)
     report.problems[:0] = [p for s in snapshots for p in s.problems]
     report.against = reference.url
+    if report.problems:
+        report.repairs.append(f"stage mirror --node {job.node}{' --full' if full else ''}")
     return report
 
 

@@ -57,6 +57,7 @@ class VerifyReport:
     links_ok: int = 0
     excluded: list[str] = field(default_factory=list)
     reread: list[str] = field(default_factory=list)  # matched on the second read: flaky source
+    repairs: list[str] = field(default_factory=list)  # the exact commands that fix the problems found
     subset: str | None = None
     against: str | None = None  # the source the content was compared with: the NAS, or a peer
 
@@ -70,6 +71,7 @@ class VerifyReport:
         self.links_ok += other.links_ok
         self.excluded.extend(other.excluded)
         self.reread.extend(other.reread)
+        self.repairs.extend(r for r in other.repairs if r not in self.repairs)
 
     def to_json(self) -> dict:
         return {
@@ -87,6 +89,7 @@ class VerifyReport:
             "could_not_check": self.count("could_not_check"),
             "excluded": self.excluded,
             "matched_on_reread": self.reread,
+            "repair": self.repairs,
             "verified_against": self.against,
         }
 

@@ -42,6 +42,6 @@ def verify(
     else:
         terminal.say(f"{node}: {report.mode} verify: {report.ok}/{report.checked} ok, {len(report.problems)} problems")
         terminal.print_problems(report.problems)
-        if report.problems:
-            terminal.say(f"repair: stage mirror --node {node}{' --full' if full else ''}")
+        for command in report.repairs:
+            terminal.say(f"repair: {command}")
     terminal.exit_with(report.problems)
