@@ -120,7 +120,7 @@ class Dataset:
     hub_bytes: int
     blobs: int
     small_files: int
-    engram: dict | None  # what pack-engram writes, None where the Engram builder is not available
+    engram: dict  # the Engram table and the shard pack-engram writes from it
 
 
 def build_dataset(root: Path, size: int, engram_rank_bytes: int, small_files: int) -> Dataset:
@@ -157,31 +157,25 @@ def build_dataset(root: Path, size: int, engram_rank_bytes: int, small_files: in
     engram = _engram_checkpoint(hub, engram_rank_bytes, root / "nvme" / "engram" / "shards")
     manifest = root / "cluster.toml"
     text = f'[nas]\nhub = "{nas}"\n\n'
-    for repo_id in (MAIN_MODEL, SMALL_MODEL) + ((ENGRAM_MODEL,) if engram else ()):
+    for repo_id in (MAIN_MODEL, SMALL_MODEL, ENGRAM_MODEL):
         text += f'[models."{repo_id}"]\nrevision = "main"\n\n'
     text += f'[nodes.big]\nhub = "{local["big"]}"\nmodels = ["{MAIN_MODEL}"]\n\n'
     text += f'[nodes.small]\nhub = "{local["small"]}"\nmodels = ["{SMALL_MODEL}"]\n\n'
-    if engram:
-        text += (f'[nodes.engram]\nhub = "{local["engram"]}"\nmodels = ["{ENGRAM_MODEL}"]\n'
-                 f'engram_dir = "{engram["dir"]}"\nrank = 0\n\n'
-                 f'[engram]\nmodel = "{ENGRAM_MODEL}"\nworld = {engram["world"]}\n')
+    text += (f'[nodes.engram]\nhub = "{local["engram"]}"\nmodels = ["{ENGRAM_MODEL}"]\n'
+             f'engram_dir = "{engram["dir"]}"\nrank = 0\n\n'
+             f'[engram]\nmodel = "{ENGRAM_MODEL}"\nworld = {engram["world"]}\n')
     manifest.write_text(text)
     return Dataset(root, manifest, nas, big.dir, small.dir, local, _tree_bytes(big.dir), len(BLOB_WEIGHTS),
                    small_files, engram)
 
 
-def _engram_checkpoint(hub: hubgen.Hub, rank_bytes: int, shard_dir: Path) -> dict | None:
+def _engram_checkpoint(hub: hubgen.Hub, rank_bytes: int, shard_dir: Path) -> dict:
     """An Engram checkpoint whose table (one layer) is 2 ranks of `rank_bytes` each, in its own shard."""
-    builder = getattr(hubgen, "add_engram_checkpoint", None)
-    if builder is None:
-        say("scripts/hubgen.py has no add_engram_checkpoint: the pack-engram workload is skipped")
-        return None
-    world = 2
-    rows = max(world, rank_bytes * world // 264 + 1)  # odd row count: ranks differ by one row
-    info = builder(hub, ENGRAM_MODEL, layers=(1,), rows=rows, streamed=True)
-    lo, hi = 0, rows // world
-    return {"dir": shard_dir, "world": world, "rows": rows, "layer": 1, "info": info,
-            "shard_bytes": 4096 + (hi - lo) * 264}
+    world, row_bytes = 2, hubgen.ENGRAM_WEIGHT_BYTES + hubgen.ENGRAM_SCALE_BYTES
+    rows = max(world, rank_bytes * world // row_bytes) | 1  # odd: the ranks differ by one row
+    hubgen.add_engram_checkpoint(hub, ENGRAM_MODEL, layers=(1,), rows=rows, streamed=True)
+    hi = rows // world  # rank 0 of the floor partition: rows 0..hi-1
+    return {"dir": shard_dir, "world": world, "rows": rows, "shard_bytes": 4096 + hi * row_bytes}
 
 
 def _tree_bytes(snapshot: Path) -> int:
@@ -325,8 +319,7 @@ def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
         ], baseline="stage mirror", cold=False),
     ]
     result.append(_verify_workload(ds, stage, peers))
-    if ds.engram:
-        result.append(_engram_workload(ds, stage))
+    result.append(_engram_workload(ds, stage))
     small_hub = ds.local["small"]
     result.append(Workload(f"small_files", f"{ds.small_files} small files", [
         Command("stage mirror --jobs 1", stage("mirror", "--node", "small", "--jobs", "1", "--json"), fresh(small_hub),
@@ -498,9 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ds = build_dataset(workdir / "data", size, engram_bytes, args.small_files)
         say(f"data ready in {time.monotonic() - started:.1f}s")
-        if ds.engram:  # pack-engram reads the node's staged snapshot: stage it once, untimed
-            run_once(Command("stage engram model", [*stage_argv(), "mirror", "--node", "engram",
-                                                    "--manifest", str(ds.manifest)]))
+        # pack-engram reads the node's staged snapshot: stage it once, untimed.
+        run_once(Command("stage engram model", [*stage_argv(), "mirror", "--node", "engram", "--manifest",
+                                                str(ds.manifest)]))
         chosen = [w for w in workloads(ds, peers) if not args.only or w.name in args.only]
         for workload in chosen:
             measure(workload, reps, warmup, can_drop)
@@ -513,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             "peers_installed": peers,
             "data": {"hub_bytes": ds.hub_bytes, "hub_gib": round(ds.hub_bytes / GIB, 2), "blobs": ds.blobs,
                      "small_files": ds.small_files,
-                     "engram_shard_bytes": ds.engram["shard_bytes"] if ds.engram else None},
+                     "engram_shard_bytes": ds.engram["shard_bytes"]},
             "workloads": [{"name": w.name, "title": w.title, "baseline": w.baseline, "cold": w.cold,
                            "results": w.results} for w in chosen],
             "targets": targets({w.name: w for w in chosen}),
