@@ -1,0 +1,41 @@
+"""`stage fleet mirror|verify|pack-engram|audit`: the node-local command on every node, over Ray."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from stager.cli.app import JsonOpt, ManifestOpt, app
+from stager.cli import terminal
+
+
+class FleetCommand(str, Enum):
+    mirror = "mirror"
+    verify = "verify"
+    pack_engram = "pack-engram"
+    audit = "audit"
+
+
+@app.command()
+def fleet(
+    command: Annotated[FleetCommand, typer.Argument(help="The node-local command to run on every node")],
+    nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma-separated node names (default: every node in the manifest)")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds before a silent node is reported unreachable")] = 3600,
+    fan_out: Annotated[bool, typer.Option("--fan-out", help="mirror: one node from the NAS, the rest from staged peers")] = False,
+    json: JsonOpt = False,
+    manifest: ManifestOpt = None,
+) -> None:
+    """Run a command on every node as Ray tasks; one table (or JSON object); exit code = worst node's."""
+    from stager import fleet as core
+    from stager.manifest import load_manifest
+
+    names = [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None
+    report = core.run_fleet(load_manifest(manifest), command.value, names, timeout=timeout, fan_out=fan_out)
+    if json:
+        terminal.emit_json(report.to_json())
+    else:
+        for line in core.table(report):
+            terminal.say(line)
+    raise typer.Exit(report.exit_code)
