@@ -352,7 +352,7 @@ def copying(root: Path):
 @dataclass(frozen=True)
 class Timing:
     total: float  # seconds from start to exit
-    busy: float  # seconds from the first temp file (first write in flight) to exit
+    writing: float  # seconds from the first temp file seen to the last one (writes in flight)
 
 
 def calibrate(command: list[str], written: Path) -> Timing:
@@ -360,11 +360,11 @@ def calibrate(command: list[str], written: Path) -> Timing:
     Measured, not assumed, because CI machines differ and share their cores."""
     started = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    first_write = None
+    first = last = None
     while proc.poll() is None:
-        if first_write is None and temp_files(written):
-            first_write = time.monotonic()
+        if temp_files(written):
+            first, last = first or time.monotonic(), time.monotonic()
         time.sleep(0.002)
     ended = time.monotonic()
     assert proc.returncode == 0, proc.stderr.read().decode(errors="replace")
-    return Timing(ended - started, ended - (first_write or started))
+    return Timing(ended - started, max(0.01, (last or ended) - (first or started)))

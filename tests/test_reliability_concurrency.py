@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -34,23 +35,24 @@ def lock_holder(staging) -> int | None:
 
 def test_second_mirror_refuses_while_the_first_holds_the_lock(staging):
     with untouched(staging.nas):
-        # --full --jobs 1 keeps the first run on its copies for a while.
-        first = subprocess.Popen(staging.command("mirror", "--json", "--full", "--jobs", "1"),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 30
+        first = subprocess.Popen(staging.command("mirror", "--json"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
         while lock_holder(staging) != first.pid and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        second = staging.mirror()
-        still_running = first.poll() is None
-        out, err = first.communicate(timeout=120)
+            time.sleep(0.002)
+        # Frozen while it holds the lock, however fast this machine copies: the overlap is certain.
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            assert lock_holder(staging) == first.pid, "the first mirror never took the lock"
+            second = staging.mirror()
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        _out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     assert "Traceback" not in second.stderr
-    if still_running:  # the overlap really happened: the second run met the held lock
-        assert second.code == 3, second.stderr + second.stdout
-        assert f"locked by another stage process (pid {first.pid})" in second.stderr
-        assert str(staging.local / LOCK) in second.stderr
-    else:
-        pytest.fail("the first mirror finished before the second could meet its lock; make it slower")
+    assert second.code == 3, second.stderr + second.stdout
+    line, = second.stderr.strip().splitlines()
+    assert f"locked by another stage process (pid {first.pid})" in line and str(staging.local / LOCK) in line
     assert_converged(staging)
 
 
