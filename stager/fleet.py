@@ -32,8 +32,6 @@ from stager.manifest import Manifest
 from stager.units import format_size
 
 LABEL = "stage-node"
-COMMANDS = ("mirror", "verify", "pack-engram", "audit")
-DEFAULT_TIMEOUT = 3600.0
 # ray.init retries a dead GCS address forever; joining a live cluster takes a few seconds.
 CONNECT_TIMEOUT = 60.0
 KILL_GRACE = 10.0

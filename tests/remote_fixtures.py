@@ -9,9 +9,12 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from conftest import sha256_file
 
 SFTP_SERVERS = ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-server", "/usr/libexec/sftp-server")
 _CLOSE = re.compile(r'^close "(.*)" bytes read (\d+) written (\d+)$')
@@ -120,3 +123,33 @@ def _listening(port: int, process: subprocess.Popen) -> bool:
         except OSError:
             time.sleep(0.05)
     return False
+
+
+def silent_port() -> int:
+    """A port that accepts TCP connections and never says a word (a hung host)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held = []
+
+    def hold() -> None:
+        while True:
+            held.append(listener.accept())
+
+    threading.Thread(target=hold, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+def hub_tree(root: Path) -> dict[str, tuple]:
+    """Every non-directory under a hub: its link text, the sha256 of a regular file, or "other"."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".locks"]
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                out[rel] = ("link", os.readlink(path))
+            elif name in filenames:
+                out[rel] = ("file", sha256_file(path)) if path.is_file() else ("other",)
+    return out

@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from conftest import run_stage, sha256_file
 from hubgen import Hub, random_safetensors
-from remote_fixtures import SshServer, start_sshd
+from remote_fixtures import SshServer, hub_tree, silent_port, start_sshd
 from stager.fleet import LABEL
 
 FLASH = "acme/Flash-3bpw"
@@ -91,18 +90,6 @@ def fleet(*args, timeout: float = 120):
     return result, time.monotonic() - started
 
 
-def staged_tree(hub: Path) -> dict[str, tuple]:
-    out = {}
-    for path in sorted(hub.rglob("*")):
-        if ".locks" in path.parts:
-            continue
-        if path.is_symlink():
-            out[str(path.relative_to(hub))] = ("link", os.readlink(path))
-        elif path.is_file():
-            out[str(path.relative_to(hub))] = ("file", sha256_file(path))
-    return out
-
-
 def assert_staged_like_the_nas(hub: Path, nas: dict) -> None:
     for repo, snap in nas["snaps"].items():
         for rel, digest in snap.sha256.items():
@@ -140,7 +127,7 @@ def test_fleet_mirror_stages_every_node_from_one_command(staged, nas):
         assert run["bytes"] == data
         assert_staged_like_the_nas(staged["root"] / name / "hub", nas)
     assert report["copied_from"] == {staged["nas_url"]: 3 * data}
-    trees = [staged_tree(staged["root"] / name / "hub") for name in NODES]
+    trees = [hub_tree(staged["root"] / name / "hub") for name in NODES]
     assert trees[0] == trees[1] == trees[2]
 
 
@@ -181,21 +168,6 @@ def test_fleet_audit_keeps_nagios_codes_and_the_worst_wins(staged, nas, sshd):
     assert all(nodes[n]["bytes"] == nodes[n]["report"]["needed_bytes"] == 0 for n in NODES)
 
 
-def silent_port() -> int:
-    """A port that accepts TCP connections and never says a word (a hung host)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    held = []
-
-    def hold() -> None:
-        while True:
-            held.append(listener.accept())
-
-    threading.Thread(target=hold, daemon=True).start()
-    return listener.getsockname()[1]
-
-
 def test_a_node_silent_past_the_timeout_is_stopped_and_reported_in_the_table(staged, nas, sshd):
     root = staged["root"]
     hung = f"sftp://{sshd.user}@127.0.0.1:{silent_port()}{nas['hub']}"
@@ -234,8 +206,8 @@ def test_fan_out_reads_each_byte_from_the_nas_once(staged, nas, sshd, tmp_path):
         assert_staged_like_the_nas(tmp_path / name / "hub", nas)
         # Served by a peer, verified against the NAS.
         assert fan["nodes"][name]["report"]["verify"]["verified_against"] == nas_url
-    assert staged_tree(tmp_path / "dgx1" / "hub") == staged_tree(tmp_path / "dgx2" / "hub") \
-        == staged_tree(tmp_path / "dgx3" / "hub") == staged_tree(staged["root"] / "dgx1" / "hub")
+    assert hub_tree(tmp_path / "dgx1" / "hub") == hub_tree(tmp_path / "dgx2" / "hub") \
+        == hub_tree(tmp_path / "dgx3" / "hub") == hub_tree(staged["root"] / "dgx1" / "hub")
     assert fan["nodes"]["dgx1"]["source"] == nas_url
     assert {fan["nodes"][n]["source"] for n in ("dgx2", "dgx3")} <= {sshd.url(tmp_path / n / "hub") for n in ("dgx1", "dgx2")}
 

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import run_stage, sha256_file, write_manifest
 from hubgen import Hub, pseudo_random, random_safetensors
-from remote_fixtures import SshServer, start_sshd
+from remote_fixtures import SshServer, hub_tree as tree, silent_port, start_sshd
 from stager.errors import CannotRun
 from stager.hub import walk_repo
 from stager.source import LocalSource, open_source
@@ -97,23 +97,6 @@ def stage(manifest: Path, *extra: str) -> dict:
     assert result.code == 0, result.stderr + result.stdout
     assert "Traceback" not in result.stderr
     return result.json
-
-
-def tree(root: Path) -> dict[str, tuple]:
-    """Every path under a local hub: link text, or the sha256 of a regular file."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".locks"]
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            rel = str(path.relative_to(root))
-            if path.is_symlink():
-                out[rel] = ("link", os.readlink(path))
-            elif path.is_file():
-                out[rel] = ("file", sha256_file(path))
-            elif name in filenames:
-                out[rel] = ("other",)
-    return out
 
 
 def load_offline(hub: Path) -> dict:
@@ -210,6 +193,19 @@ def test_links_resolve_on_the_server_by_the_same_rules(nas, sshd):
     assert entries["aliased"][-1] == entries["ok.json"][-1]
 
 
+def test_ssh_config_supplies_host_port_user_and_key(nas, sshd, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host peer-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n  IdentityFile {sshd.key}\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("STAGE_SSH_KEY")
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    source = open_source(f"sftp://peer-alias{nas['hub']}", nas["aliases"])
+    assert source.lstat("blobs").kind == "dir"
+    assert [e.path for e in walk_repo(source, DRAFTER, "main", []).entries] == ["config.json", "model.safetensors"]
+
+
 def test_reads_are_exact_and_many_readers_share_the_connections(nas, sshd, tmp_path):
     hub = tmp_path / "hub"
     hub.mkdir()
@@ -281,16 +277,6 @@ def test_a_lost_connection_ends_the_run_instead_of_hanging(nas, sshd, tmp_path):
     assert time.monotonic() - started < 10
 
 
-def silent_listener() -> tuple[socket.socket, int]:
-    """A TCP port that accepts connections and never says a word."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    held = []
-    threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
-    return listener, listener.getsockname()[1]
-
-
 @pytest.mark.parametrize("case", ["refused", "silent", "unknown host key", "wrong key", "not a hub"])
 def test_unreachable_sources_exit_3_with_one_line_quickly(nas, sshd, tmp_path, case):
     env = {"STAGE_SSH_TIMEOUT": "2"}
@@ -301,7 +287,7 @@ def test_unreachable_sources_exit_3_with_one_line_quickly(nas, sshd, tmp_path, c
             port = sock.getsockname()[1]
         url = f"sftp://{sshd.user}@127.0.0.1:{port}{nas['hub']}"
     elif case == "silent":
-        listener, port = silent_listener()
+        port = silent_port()
         url = f"sftp://{sshd.user}@127.0.0.1:{port}{nas['hub']}"
     elif case == "unknown host key":
         (tmp_path / "empty_known_hosts").write_text("")
