@@ -3,6 +3,7 @@ space away while the mirror runs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -82,6 +83,14 @@ def small_disk(tmp_path):
         yield staging, mount, needed
 
 
+def fill_up(path: Path) -> None:
+    with open(path, "wb") as handle:
+        with contextlib.suppress(OSError):  # ENOSPC: full
+            while True:
+                handle.write(b"\0" * MiB)
+                handle.flush()
+
+
 def regular_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and ".locks" not in p.parts]
 
@@ -144,13 +153,7 @@ def test_full_disk_with_nothing_to_copy_still_succeeds(small_disk):
     staging, mount, _needed = small_disk
     assert staging.mirror().code == 0
     (staging.local / ".locks" / "stager.lock").unlink()
-    with open(mount / "filler", "wb") as handle:
-        try:
-            while True:
-                handle.write(b"\0" * MiB)
-                handle.flush()
-        except OSError:
-            pass
+    fill_up(mount / "filler")
     result = staging.mirror()
     assert result.code == 0, result.stderr
     assert staging.verify_full().code == 0
@@ -158,13 +161,7 @@ def test_full_disk_with_nothing_to_copy_still_succeeds(small_disk):
 
 def test_full_disk_first_run_says_not_enough_space(small_disk):
     staging, mount, _needed = small_disk
-    with open(mount / "filler", "wb") as handle:
-        try:
-            while True:
-                handle.write(b"\0" * MiB)
-                handle.flush()
-        except OSError:
-            pass
+    fill_up(mount / "filler")
     result = staging.mirror()
     assert result.code == 3, result.stderr
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr
