@@ -38,11 +38,12 @@ def sshd(tmp_path_factory) -> SshServer:
 def cluster(sshd):
     """One head and two workers, labelled stage-node=dgx1..dgx3. The environment (loopback, the
     test's SSH keys) is set before the raylets start, so their workers inherit it."""
-    from ray.cluster_utils import Cluster
-
     with pytest.MonkeyPatch.context() as env:
         for key, value in {**RAY_LOOPBACK, **sshd.env}.items():
             env.setenv(key, value)
+        # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported.
+        from ray.cluster_utils import Cluster
+
         ray_cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "labels": {LABEL: NODES[0]}, "include_dashboard": False})
         try:
@@ -220,6 +221,42 @@ def test_fan_out_reads_each_byte_from_the_nas_once(staged, nas, sshd, tmp_path):
     assert plain_bytes >= 3 * data
     assert data <= fan_bytes <= data + 3 * files * (MiB + 64 * 1024)
     print(f"\nNAS bytes read staging 3 nodes of {data} bytes: {plain_bytes} without fan-out, {fan_bytes} with it")
+
+
+def listening_addresses(root_pid: int) -> set[str]:
+    """Local addresses of the listening TCP sockets held by root_pid's descendants (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    family, frontier = set(), {root_pid}
+    while frontier:
+        family |= frontier
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - family
+    inodes = set()
+    for pid in family - {root_pid}:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(fields[1].split(":")[0])
+    return found
+
+
+def test_the_cluster_listens_on_loopback_only(cluster):
+    """RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every Ray process on 127.0.0.1."""
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+    addresses = listening_addresses(os.getpid())
+    assert addresses and addresses <= loopback, addresses
 
 
 def test_misuse_is_bad_input(nas, sshd, tmp_path):
