@@ -21,8 +21,9 @@ FLASH = "acme/Flash-3bpw"
 DRAFTER = "acme/Flash-drafter"
 MiB = 1024 * 1024
 NODES = ("dgx1", "dgx2", "dgx3")
-# Without it Ray binds and connects to the host's network interface instead of loopback.
-RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Without the first, Ray binds to and connects through the host's network interface instead of
+# loopback; the second keeps it from reporting usage statistics to the Ray project.
+RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 # Shard size for the fan-out measurement; raise it to measure at a realistic ratio of data to samples.
 FANOUT_MIB = int(os.environ.get("STAGE_TEST_FANOUT_MIB", "4"))
 
