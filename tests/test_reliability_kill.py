@@ -55,7 +55,7 @@ def kill_trials(command: list[str], written: Path, *, seed: int, reset: Callable
 @pytest.fixture
 def staging(tmp_path):
     # Several MiB per shard, so a copy is in flight for a measurable while.
-    return build_staging(tmp_path, shards=10, shard_bytes=4 * MiB)
+    return build_staging(tmp_path, shards=10, shard_bytes=2 * MiB)
 
 
 def test_mirror_killed_at_random_points(staging):
