@@ -260,6 +260,18 @@ def test_the_cluster_listens_on_loopback_only(cluster):
     assert addresses and addresses <= loopback, addresses
 
 
+def test_each_node_runs_the_node_local_command_with_its_own_rank(nas, sshd, tmp_path):
+    from stager.fleet import node_argv
+    from stager.manifest import load_manifest
+
+    manifest = load_manifest(fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd))
+    path = str((tmp_path / "m.toml").resolve())
+    assert node_argv(manifest, "pack-engram", "dgx3") == [
+        "pack-engram", "--node", "dgx3", "--json", "--manifest", path, "--rank", "2"]
+    assert node_argv(manifest, "audit", "dgx3") == ["audit", "--node", "dgx3", "--json", "--manifest", path]
+    assert node_argv(manifest, "mirror", "dgx2", "sftp://peer/hub")[-2:] == ["--source", "sftp://peer/hub"]
+
+
 def test_misuse_is_bad_input(nas, sshd, tmp_path):
     manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd)
     result, _ = fleet("verify", "--fan-out", "--manifest", manifest)
