@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import stat
 import struct
 import subprocess
@@ -69,18 +70,18 @@ ENGRAM_WORLD = 3
 
 
 def build_staging(root: Path, *, shards: int, shard_bytes: int, local: Path | None = None,
-                  reserve: str = "0", nas: Path | None = None, engram: dict[int, int] | None = None) -> Staging:
+                  engram: dict[int, int] | None = None) -> Staging:
     """A model of `shards` safetensors shards (alternating shared-store two-hop links and plain
     repo blobs), a git-blob config and a real file inside the snapshot. `engram` ({layer: rows})
     adds an Engram table packed for TP=ENGRAM_WORLD into <root>/nvme/engram."""
-    nas = nas or root / "nas" / "hf" / "hub"
+    nas = root / "nas" / "hf" / "hub"
     local = local or root / "nvme" / "hf" / "hub"
     engram_dir = root / "nvme" / "engram"
     snap = Hub(nas).repo(MODEL).snapshot()
     extra = ""
     if engram:
         add_engram_checkpoint(snap, layers=tuple(engram), rows=engram)  # writes config.json and the index
-        extra = (f'engram_dir = "{engram_dir}"\n\n[engram]\nmodel = "{MODEL}"\nworld = {ENGRAM_WORLD}\n')
+        extra = f'engram_dir = "{engram_dir}"\n\n[engram]\nmodel = "{MODEL}"\nworld = {ENGRAM_WORLD}\n'
     else:
         snap.add_git("config.json", b'{"architectures": ["DeepseekV4ForCausalLM"]}')
     for i in range(shards):
@@ -88,7 +89,7 @@ def build_staging(root: Path, *, shards: int, shard_bytes: int, local: Path | No
                      shared=i % 2 == 0)
     snap.add_real("tokenizer.json", b'{"model": {"type": "BPE"}, "added_tokens": []}')
     snap.finish(no_exist=("generation_config.json",))
-    manifest = write_manifest(root / "cluster.toml", nas, local, {MODEL: {}}, reserve=reserve, extra=extra)
+    manifest = write_manifest(root / "cluster.toml", nas, local, {MODEL: {}}, extra=extra)
     return Staging(root, nas, local, manifest, snap, engram_dir)
 
 
@@ -329,17 +330,17 @@ def _umount(mountpoint: Path) -> None:
         subprocess.run(["umount", "-l", str(mountpoint)], check=True)  # a straggler still has it open
 
 
-def kill_at(command: list[str], delay: float, *, after=None, cwd: Path | None = None) -> tuple[int, str]:
+def kill_at(command: list[str], delay: float, *, after=None) -> tuple[int, str]:
     """Start the real CLI and SIGKILL it `delay` seconds later, counted from start or, with
     `after`, from the moment `after()` first holds (polled every 2 ms). Returns (exit status,
     stderr); -9 means it was killed, anything else that it finished first."""
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         while after is not None and proc.poll() is None and not after():
             time.sleep(0.002)
         proc.wait(timeout=delay)
     except subprocess.TimeoutExpired:
-        os.kill(proc.pid, 9)
+        os.kill(proc.pid, signal.SIGKILL)
     _out, err = proc.communicate(timeout=60)
     return proc.returncode, err.decode(errors="replace")
 
