@@ -4,9 +4,11 @@ local hub, driven by the real CLI; peers served by a real sshd on 127.0.0.1."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,16 +47,19 @@ def cluster(sshd):
         # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported.
         from ray.cluster_utils import Cluster
 
+        # Ray's session files go to a directory of this run, short enough for its unix sockets.
+        temp_dir = tempfile.mkdtemp(prefix="stage-ray-", dir="/tmp")
         ray_cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "labels": {LABEL: NODES[0]}, "include_dashboard": False})
+            "num_cpus": 1, "labels": {LABEL: NODES[0]}, "include_dashboard": False, "temp_dir": temp_dir})
         try:
             for name in NODES[1:]:
-                ray_cluster.add_node(num_cpus=1, labels={LABEL: name})
+                ray_cluster.add_node(num_cpus=1, labels={LABEL: name}, temp_dir=temp_dir)
             ray_cluster.wait_for_nodes()
             env.setenv("RAY_ADDRESS", ray_cluster.address)
             yield ray_cluster
         finally:
             ray_cluster.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
