@@ -223,7 +223,8 @@ def _connect(ray, timeout: float) -> str:
     if not outcome:
         raise CannotRun(f"no Ray cluster answered at {where} within {timeout:g}s; {hint}")
     if outcome[0] is not None:
-        reason = str(outcome[0]).strip().splitlines()[0] if str(outcome[0]).strip() else type(outcome[0]).__name__
+        text = str(outcome[0]).strip()
+        reason = text.splitlines()[0].rstrip(".") if text else type(outcome[0]).__name__
         raise CannotRun(f"cannot join a Ray cluster at {where}: {reason}; {hint}")
     return address
 
