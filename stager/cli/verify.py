@@ -40,7 +40,8 @@ def verify(
     if json:
         terminal.emit_json(report.to_json())
     else:
-        terminal.say(f"{node}: {report.mode} verify: {report.ok}/{report.checked} ok, {len(report.problems)} problems")
+        terminal.say(f"{node}: {report.mode} verify against {report.against}: {report.ok}/{report.checked} ok, "
+                     f"{len(report.problems)} problems")
         terminal.print_problems(report.problems)
         for command in report.repairs:
             terminal.say(f"repair: {command}")
