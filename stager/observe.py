@@ -34,22 +34,13 @@ class DigestCache:
         self._lock = threading.Lock()
 
     def sampled(self, rel: str, *, fresh: bool = False) -> Digest:
-        key = (rel, f"sampled:{self.seed}")
-        with self._lock:
-            if not fresh and key in self._digests:
-                return self._digests[key]
-        try:
-            reader = self.source.open(rel, uncached=True)
-        except OSError as exc:
-            return Digest(key[1], None, None, exc.strerror or str(exc))
-        try:
-            digest = sampled_digest(reader, self.seed)
-        finally:
-            reader.close()
-        self.remember(rel, digest)
-        return digest
+        return self._digest(rel, f"sampled:{self.seed}", lambda reader: sampled_digest(reader, self.seed), fresh)
 
     def full(self, rel: str, method: str, *, fresh: bool = False) -> Digest:
+        return self._digest(rel, method, lambda reader: full_digest(reader, method), fresh)
+
+    def _digest(self, rel: str, method: str, compute, fresh: bool) -> Digest:
+        """The source's digest by `method`, computed once per run unless `fresh` (a re-read)."""
         key = (rel, method)
         with self._lock:
             if not fresh and key in self._digests:
@@ -59,7 +50,7 @@ class DigestCache:
         except OSError as exc:
             return Digest(method, None, None, exc.strerror or str(exc))
         try:
-            digest = full_digest(reader, method)
+            digest = compute(reader)
         finally:
             reader.close()
         self.remember(rel, digest)
