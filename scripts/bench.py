@@ -36,8 +36,10 @@ import hubgen  # noqa: E402
 
 GIB = 1024**3
 MIB = 1024**2
-# Debian packages the peers come from, by the command each provides.
-PEER_PACKAGES = {"rsync": "rsync", "rclone": "rclone", "b3sum": "b3sum", "sha256sum": "coreutils"}
+# Debian packages the peers (and the RSS meter) come from, by the command each provides.
+PEER_PACKAGES = {"rsync": "rsync", "rclone": "rclone", "b3sum": "b3sum", "sha256sum": "coreutils",
+                 "/usr/bin/time": "time"}
+GNU_TIME = "/usr/bin/time"
 MAIN_MODEL = "bench/big-model"
 SMALL_MODEL = "bench/small-files"
 ENGRAM_MODEL = "bench/engram-model"
@@ -64,7 +66,9 @@ def ensure_peers(install: bool) -> dict[str, bool]:
                        stdout=subprocess.DEVNULL)
     found = {cmd: shutil.which(cmd) is not None for cmd in PEER_PACKAGES}
     for cmd, ok in found.items():
-        if not ok:
+        if not ok and cmd == GNU_TIME:
+            say(f"{GNU_TIME} is not installed: peak RSS comes from wait4 and is at least this script's own")
+        elif not ok:
             say(f"{cmd} is not installed: its rows are skipped")
     return found
 
@@ -207,23 +211,29 @@ def run_once(command: Command) -> tuple[float, int, float | None]:
     """Wall seconds, peak RSS (KiB) and the seconds the tool itself reported (`--json`), if any.
     Fails loudly: a benchmark of a failed copy is a lie."""
     argv = ["sh", "-c", command.argv] if isinstance(command.argv, str) else command.argv
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r") as rss:
+        # GNU time forks the command from its own small image: a child forked from this Python
+        # process starts with this process's RSS as its high-water mark, which hid every peer's.
+        meter = [GNU_TIME, "-f", "%M", "-o", rss.name] if os.path.exists(GNU_TIME) else []
         started = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=err)
-        # wait4 reports the child's own rusage with the largest RSS of any descendant it waited for.
+        proc = subprocess.Popen([*meter, *argv], stdout=out, stderr=err)
         _, status, usage = os.wait4(proc.pid, 0)
         seconds = time.perf_counter() - started
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read().decode(errors="replace")
+        lines = rss.read().split()
+        # GNU time's %M: the largest RSS of the command and every descendant it waited for.
+        peak = int(lines[-1]) if meter and lines and lines[-1].isdigit() else usage.ru_maxrss
     if proc.returncode != 0:
         raise SystemExit(f"bench: {command.name} failed (exit {proc.returncode}): {stderr.strip()[-2000:]}")
     try:
         reported = json.loads(stdout).get("seconds") if command.ours else None
     except ValueError:
         reported = None
-    return seconds, usage.ru_maxrss, reported
+    return seconds, peak, reported
 
 
 def measure(workload: Workload, reps: int, warmup: int, can_drop: bool) -> None:
