@@ -331,7 +331,7 @@ def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
     result.append(_verify_workload(ds, stage, peers))
     result.append(_engram_workload(ds, stage))
     small_hub = ds.local["small"]
-    result.append(Workload(f"small_files", f"{ds.small_files} small files", [
+    result.append(Workload("small_files", f"{ds.small_files} small files", [
         Command("stage mirror --jobs 1", stage("mirror", "--node", "small", "--jobs", "1", "--json"), fresh(small_hub),
                 ours=True),
         Command("stage mirror", stage("mirror", "--node", "small", "--json"), fresh(small_hub), ours=True),

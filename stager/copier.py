@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from stager.atomic import AtomicFile
-from stager.source import LocalReader
+from stager.source import LocalReader, reaching
 
 BUFFER_BYTES = 8 * 1024 * 1024
 BUFFERS = 3
@@ -42,7 +42,8 @@ def _copy_range(reader: LocalReader, out: AtomicFile, size: int, progress) -> bo
     done = 0
     while done < size:
         try:
-            got = os.copy_file_range(reader.fd, out.fd, min(RANGE_CHUNK, size - done), done, done)
+            with reaching(reader.path):  # the local disk never says ENOTCONN: that is the source
+                got = os.copy_file_range(reader.fd, out.fd, min(RANGE_CHUNK, size - done), done, done)
         except OSError as exc:
             if done == 0 and exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
                 return False
@@ -53,7 +54,7 @@ def _copy_range(reader: LocalReader, out: AtomicFile, size: int, progress) -> bo
             _queue_writeback(out.fd, done, got)
         done += got
         progress(got)
-    if os.pread(reader.fd, 1, size):
+    if reader.pread(1, size):
         raise SourceChanged(errno.EIO, f"source grew beyond {size} bytes during the copy")
     return True
 

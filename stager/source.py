@@ -6,6 +6,7 @@ write: the NAS is read-only to this tool by construction, not by discipline.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -38,6 +39,24 @@ def stat_from_mode(mode: int, size: int, mtime_ns: int) -> Stat:
     else:
         kind = "other"
     return Stat(kind, size, mtime_ns, mode)
+
+
+# How a network mount (NFS, sshfs, SMB) says that its server is gone, as opposed to one bad file.
+# Every later read would fail the same way, so the run stops with exit 3 instead of reporting
+# each remaining entry as unreadable.
+LOST_MOUNT_ERRNOS = frozenset({errno.ENOTCONN, errno.ECONNABORTED, errno.ECONNRESET, errno.EHOSTDOWN,
+                               errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT})
+
+
+@contextlib.contextmanager
+def reaching(path: str):
+    """Turn a lost network mount under `path` into CannotRun; other errors pass through."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in LOST_MOUNT_ERRNOS:
+            raise CannotRun(f"NAS unreachable: {path}: {exc.strerror}") from None
+        raise
 
 
 class Reader(Protocol):
@@ -79,7 +98,9 @@ class LocalReader:
     first, so a stale NFS client cache cannot answer for the server's bytes."""
 
     def __init__(self, path: str, *, uncached: bool, sequential: bool = False):
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        self.path = path
+        with reaching(path):
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         st = os.fstat(self.fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(self.fd)
@@ -94,7 +115,8 @@ class LocalReader:
     def pread(self, length: int, offset: int) -> bytes:
         chunks = []
         while length > 0:
-            data = os.pread(self.fd, length, offset)
+            with reaching(self.path):
+                data = os.pread(self.fd, length, offset)
             if not data:
                 break
             chunks.append(data)
@@ -103,7 +125,8 @@ class LocalReader:
         return b"".join(chunks)
 
     def readinto(self, buffer: memoryview) -> int:
-        got = os.preadv(self.fd, [buffer], self._pos)
+        with reaching(self.path):
+            got = os.preadv(self.fd, [buffer], self._pos)
         self._pos += got
         return got
 
@@ -127,7 +150,11 @@ class LocalSource:
         self.url = hub
         self.root = Path(hub)
         self.aliases = dict(aliases or {})
-        if not self.root.is_dir():
+        try:
+            is_dir = stat.S_ISDIR(os.stat(hub).st_mode)
+        except OSError as exc:
+            raise CannotRun(f"NAS hub {hub} is not reachable: {exc.strerror}") from None
+        if not is_dir:
             raise CannotRun(f"NAS hub {hub} is not reachable (not a directory)")
         # Absolute links may name the hub by its configured path or by its real path.
         self._prefixes = sorted({os.path.normpath(hub), os.path.realpath(hub)}, key=len, reverse=True)
@@ -142,18 +169,29 @@ class LocalSource:
 
     def lstat(self, rel: str) -> Stat | None:
         try:
-            return stat_from_os(os.lstat(self.path(rel)))
+            with reaching(self.path(rel)):
+                return stat_from_os(os.lstat(self.path(rel)))
         except FileNotFoundError:
             return None
 
     def readlink(self, rel: str) -> str:
-        return os.readlink(self.path(rel))
+        try:
+            with reaching(self.path(rel)):
+                return os.readlink(self.path(rel))
+        except PermissionError as exc:
+            if exc.errno != errno.EPERM:
+                raise
+            # No local filesystem refuses readlink with EPERM; sshfs does, for every target that is
+            # absolute or holds "..", which is every link of a hub cache (its contain_symlinks).
+            raise OSError(exc.errno, f"{exc.strerror}: the link cannot be read; an sshfs mount must "
+                                     f"be mounted with -o no_contain_symlinks to serve a hub") from None
 
     def listdir(self, rel: str) -> list[str]:
-        return sorted(os.listdir(self.path(rel)))
+        with reaching(self.path(rel)):
+            return sorted(os.listdir(self.path(rel)))
 
     def read_small(self, rel: str, limit: int) -> bytes:
-        with open(self.path(rel), "rb") as handle:
+        with reaching(self.path(rel)), open(self.path(rel), "rb") as handle:
             return handle.read(limit)
 
     def canonical_dir(self, rel_dir: str) -> str | None:

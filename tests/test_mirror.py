@@ -83,7 +83,7 @@ def expected_sha256(env, staged: Path) -> str:
 
 def test_staged_tree_is_self_contained_and_byte_identical(trap_nas):
     report = mirror(trap_nas)
-    local, nas = trap_nas["local"], trap_nas["nas"]
+    local = trap_nas["local"]
     entries = staged_entries(local)
     assert len(entries) == report["entries"] == 9
     real_local = os.path.realpath(local)

@@ -3,29 +3,23 @@ verification against the NAS, and bounded failures."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_stage, sha256_file, write_manifest
-from hubgen import Hub, pseudo_random, random_safetensors
-from remote_fixtures import SshServer, hub_tree as tree, silent_port, start_sshd
+from conftest import run_stage, sha256_file
+from hubgen import pseudo_random
+from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, SshServer, build_remote_nas, hub_tree as tree,
+                             load_offline, manifest_for, silent_port, start_sshd)
 from stager.errors import CannotRun
 from stager.hub import walk_repo
 from stager.source import LocalSource, open_source
-
-FLASH = "acme/Flash-3bpw"
-DRAFTER = "acme/Flash-drafter"
-HOSTILE = "acme/Hostile"
-MiB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -44,52 +38,7 @@ def ssh_env(sshd, monkeypatch):
 
 @pytest.fixture(scope="module")
 def nas(tmp_path_factory) -> dict:
-    """A NAS hub with the layouts a real one has: shared-store two-hop links, an absolute link under
-    an aliased prefix, a real file, nested paths, an excluded folder, .no_exist markers, and a repo
-    of hostile links."""
-    root = tmp_path_factory.mktemp("remote")
-    hub = Hub(root / "nas" / "hf" / "hub")
-    flash = hub.repo(FLASH).snapshot()
-    flash.add_git("config.json", b'{"architectures": ["DeepseekV4ForCausalLM"]}')
-    flash.add_lfs("model-00001-of-00002.safetensors", random_safetensors(1, 3 * MiB + 4321), shared=True)
-    flash.add_lfs("model-00002-of-00002.safetensors", random_safetensors(2, 2 * MiB), shared=True,
-                  absolute_via="/volume1/hf/hub")
-    flash.add_lfs("nested/deeper/adapter.safetensors", random_safetensors(5, MiB // 2), shared=False)
-    flash.add_real("tokenizer.json", b'{"model": {"type": "BPE"}}')
-    flash.add_lfs("page15/experts.safetensors", random_safetensors(15, MiB), shared=False)
-    flash.finish(no_exist=("generation_config.json",))
-    drafter = hub.repo(DRAFTER).snapshot()
-    drafter.add_git("config.json", b'{"architectures": ["Drafter"]}')
-    drafter.add_lfs("model.safetensors", random_safetensors(99, MiB), shared=True)
-    drafter.finish()
-
-    hostile = hub.repo(HOSTILE).snapshot()
-    hostile.add_git("ok.json", b"{}")
-    outside = root / "outside"
-    outside.mkdir()
-    (outside / "secret.bin").write_bytes(b"not in the hub")
-    os.symlink(outside, hostile.repo.dir / "linkdir")  # a directory link that leaves the hub
-    hostile.add_raw_link("escape-relative", "../../../../../../../../../etc/hostname")
-    hostile.add_raw_link("escape-absolute", str(outside / "secret.bin"))
-    hostile.add_raw_link("escape-through-dir", "../../linkdir/secret.bin")
-    hostile.add_raw_link("dangling", "../../blobs/" + "f" * 64)
-    hostile.add_raw_link("loop-a", "loop-b")
-    hostile.add_raw_link("loop-b", "loop-a")
-    hostile.add_raw_link("a-directory", "../../blobs")
-    hostile.add_raw_link("aliased", f"/volume1/hf/hub/{hostile.repo.dir.name}/snapshots/{hostile.commit}/ok.json")
-    hostile.add_raw_link("cross-repo", f"../../../{flash.repo.dir.name}/snapshots/{flash.commit}/config.json")
-    os.mkfifo(hostile.dir / "a-fifo")
-    hostile.finish()
-    return {"root": root, "hub": hub.root, "before": tree(hub.root), "flash": flash, "drafter": drafter, "hostile": hostile,
-            "aliases": {"/volume1/hf/hub": str(hub.root)}}
-
-
-def manifest_for(path: Path, nas: dict, hub: str, local: Path, extra: str = "") -> Path:
-    manifest = write_manifest(path, nas["hub"], local, {FLASH: {"exclude": ["page15/**"]}, DRAFTER: {}},
-                              aliases=nas["aliases"], extra=extra)
-    text = manifest.read_text().replace(f'hub = "{nas["hub"]}"', f'hub = "{hub}"', 1)
-    manifest.write_text(text)
-    return manifest
+    return build_remote_nas(tmp_path_factory.mktemp("remote"))
 
 
 def stage(manifest: Path, *extra: str) -> dict:
@@ -97,28 +46,6 @@ def stage(manifest: Path, *extra: str) -> dict:
     assert result.code == 0, result.stderr + result.stdout
     assert "Traceback" not in result.stderr
     return result.json
-
-
-def load_offline(hub: Path) -> dict:
-    """Load the staged models with huggingface_hub offline and safetensors, in a fresh process."""
-    code = f"""
-import json, warnings
-warnings.simplefilter("error")
-from huggingface_hub import hf_hub_download, scan_cache_dir, snapshot_download
-from safetensors import safe_open
-info = scan_cache_dir()
-assert not info.warnings, info.warnings
-out = {{"repos": sorted(r.repo_id for r in info.repos), "tensors": {{}}}}
-snapshot_download("{FLASH}", ignore_patterns=["page15/**"])
-for repo, name in (("{FLASH}", "model-00002-of-00002.safetensors"), ("{DRAFTER}", "model.safetensors")):
-    with safe_open(hf_hub_download(repo, name), "np") as st:
-        out["tensors"][name] = {{k: st.get_tensor(k).tobytes().hex() for k in st.keys()}}
-print(json.dumps(out))
-"""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "HF_HOME": str(hub.parent)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 def test_peer_and_sftp_nas_mirrors_are_byte_identical_to_the_nas_mirror(nas, sshd, tmp_path):
