@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import re
 import secrets
@@ -30,8 +31,13 @@ def is_temp_name(name: str) -> bool:
     return bool(TEMP_PATTERN.match(name))
 
 
+# Temp names only need to be unique within this run (the writer lock keeps other runs out, and
+# O_EXCL refuses a clash): a counter from a random start, instead of an urandom call per file.
+_temp_numbers = itertools.count(secrets.randbits(32))
+
+
 def temp_path_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}{TEMP_MARK}{secrets.token_hex(4)}.tmp")
+    return path.with_name(f".{path.name}{TEMP_MARK}{next(_temp_numbers) & 0xFFFFFFFF:08x}.tmp")
 
 
 def fsync_dir(directory: Path) -> None:
@@ -216,8 +222,21 @@ def _atomic_place(path: Path, make, sync_dir: bool = True) -> None:
 
 
 def atomic_symlink(target: str, path: Path, *, sync_dir: bool = True) -> None:
-    """Create or replace the symlink `path -> target` (replacing never fails with EEXIST)."""
-    _atomic_place(path, lambda temp: os.symlink(target, temp), sync_dir)
+    """Create or replace the symlink `path -> target` (replacing never fails with EEXIST).
+
+    symlink(2) creates the whole link or nothing, so a new name gets it directly; only an
+    existing name needs the temp link and the rename over it (a third of the cost of 1,000
+    small files' links went to that detour)."""
+    try:
+        os.symlink(target, path)
+    except FileExistsError:
+        _atomic_place(path, lambda temp: os.symlink(target, temp), sync_dir)
+        return
+    except OSError as exc:
+        raise_if_disk_full(exc, Path(path))
+        raise
+    if sync_dir:
+        fsync_dir(Path(path).parent)
 
 
 def atomic_hardlink(existing: Path, path: Path) -> None:

@@ -49,10 +49,11 @@ class _Tally:
 
 def inside(root: Path, rel: str) -> Path:
     """The local path of a hub-relative name. Refuses anything that would land outside the root."""
-    path = Path(os.path.normpath(root / rel))
-    if rel.startswith("/") or ".." in rel.split("/") or not str(path).startswith(str(root).rstrip("/") + "/"):
+    base = str(root).rstrip("/")
+    path = os.path.normpath(f"{base}/{rel}")  # strings, not pathlib: this runs several times per file
+    if rel.startswith("/") or ".." in rel.split("/") or not path.startswith(base + "/"):
         raise StageError(f"refusing to write {path}: outside the local hub {root}")
-    return path
+    return Path(path)
 
 
 def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bool, jobs: int,
