@@ -64,6 +64,16 @@ def write_manifest(path: Path, nas: Path, local: Path, models: dict[str, dict], 
     return path
 
 
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on 127.0.0.1 with throw-away keys (remote_fixtures.py), one per module."""
+    from remote_fixtures import start_sshd
+
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def nas_hub(tmp_path: Path) -> Hub:
     return Hub(tmp_path / "nas" / "hf" / "hub")

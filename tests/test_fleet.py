@@ -16,7 +16,7 @@ import pytest
 
 from conftest import run_stage, sha256_file
 from hubgen import Hub, random_safetensors
-from remote_fixtures import SshServer, hub_tree, silent_port, start_sshd
+from remote_fixtures import SshServer, hub_tree, silent_port
 from stager.fleet import LABEL
 
 FLASH = "acme/Flash-3bpw"
@@ -28,13 +28,6 @@ NODES = ("dgx1", "dgx2", "dgx3")
 RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 # Shard size for the fan-out measurement; raise it to measure at a realistic ratio of data to samples.
 FANOUT_MIB = int(os.environ.get("STAGE_TEST_FANOUT_MIB", "4"))
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory) -> SshServer:
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,11 @@ import pytest
 
 from conftest import run_stage, sha256_file
 from hubgen import pseudo_random
-from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, SshServer, build_remote_nas, hub_tree as tree,
-                             load_offline, manifest_for, silent_port, start_sshd)
+from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, build_remote_nas, hub_tree as tree, load_offline,
+                             manifest_for, silent_port)
 from stager.errors import CannotRun
 from stager.hub import walk_repo
 from stager.source import LocalSource, open_source
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory) -> SshServer:
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -21,19 +21,12 @@ from conftest import run_stage
 from hubgen import Hub, random_safetensors
 from reliability_support import assert_hub_truthful, temp_files
 from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, SshServer, build_remote_nas, hub_tree, load_offline,
-                             manifest_for, start_sshd)
+                             manifest_for)
 from stager.hub import walk_repo
 from stager.source import LocalSource
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0,
                                 reason="sshfs mounts need /dev/fuse and root")
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory) -> SshServer:
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
