@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_stage
+from conftest import run_stage, write_manifest
 from hubgen import Hub, random_safetensors
 from reliability_support import assert_hub_truthful, temp_files
 from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, SshServer, build_remote_nas, hub_tree, load_offline,
@@ -132,9 +132,7 @@ def test_a_lost_sshfs_server_stops_the_run_with_exit_3_and_a_rerun_converges(ssh
     nas = {"root": tmp_path / "nas", "hub": hub.root, "aliases": {}}
     with sshfs(sshd, nas["root"], tmp_path / "mnt", "no_contain_symlinks") as mnt:
         seen = mounted(nas, mnt)
-        manifest = tmp_path / "m.toml"
-        manifest.write_text(f'[nas]\nhub = "{seen["hub"]}"\n\n[models."acme/Big"]\nrevision = "main"\n\n'
-                            f'[nodes.dgx1]\nhub = "{local}"\nreserve = "0"\nmodels = ["acme/Big"]\n')
+        manifest = write_manifest(tmp_path / "m.toml", seen["hub"], local, {"acme/Big": {}})
         subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=True)
         proc = subprocess.Popen([sys.executable, "-m", "stager", "mirror", "--node", "dgx1", "--manifest", str(manifest)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
