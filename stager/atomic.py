@@ -94,7 +94,7 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
     temp = temp_path_for(path)
     fd = -1
     try:
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         if size_hint > 0:
             _preallocate(fd, size_hint)
         handle = AtomicFile(path, temp, fd)
@@ -248,6 +248,28 @@ def ensure_dir(directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise_if_disk_full(exc, directory)
+        raise
+
+
+def ensure_real_dir(directory: Path) -> Path:
+    """Make `directory` and check that it is a directory of its own, not a link to one.
+
+    Files this tool writes beside data (locks, records, receipts) are created in a directory
+    checked here: a `.locks` planted as a symlink would otherwise carry them anywhere."""
+    ensure_dir(directory)
+    if os.path.islink(directory):
+        raise CannotRun(f"{directory} is a symlink to {os.readlink(directory)}; refusing to write through it")
+    return directory
+
+
+def open_for_write(path: Path, flags: int, mode: int = 0o644) -> int:
+    """os.open for writing that never follows a link at `path` (a planted one fails with exit 3)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CannotRun(f"{path} is a symlink; refusing to write through it") from None
+        raise_if_disk_full(exc, path)
         raise
 
 

@@ -6,9 +6,11 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from stager.atomic import ensure_real_dir, open_for_write
 from stager.errors import CannotRun
 
 
@@ -21,8 +23,12 @@ def writer_lock(lock_path: Path, what: str) -> Iterator[None]:
     message. Refusing beats waiting: cron and launchers retry, and a waiting
     second run would only re-copy what the first one is copying.
     """
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    ensure_real_dir(lock_path.parent)
+    # Never through a link: a symlink planted at the lock's name once had root truncate its target.
+    fd = open_for_write(lock_path, os.O_RDWR | os.O_CREAT)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CannotRun(f"lock file {lock_path} is not a regular file")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from stager.atomic import atomic_write_bytes, fsync_dir
+from stager.atomic import atomic_write_bytes, fsync_dir, open_for_write
 
 SUMS_NAME = "SHA256SUMS"
 
@@ -66,7 +66,7 @@ def update_sums(path: Path, entries: dict[str, str]) -> None:
 def append_journal(path: Path, record: dict) -> None:
     """Append one JSON line and fsync: the journal is the audit trail, so it must survive a crash."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_for_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, line)
         os.fsync(fd)

@@ -1,0 +1,108 @@
+"""Identity, not path strings: when two spellings name one file or directory.
+
+Trust model: a path in the manifest or on the command line is a spelling, checked
+at the moment of use. Two spellings are the same place when their resolved paths
+match, when `(st_dev, st_ino)` match, or, for bind mounts (which realpath cannot
+see through), when they map to overlapping paths *inside the same filesystem*
+according to /proc/self/mountinfo. A node hub that was a symlink to the NAS passed
+a string comparison once, and the mirror then wrote its lock into the NAS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def file_id(path: str | os.PathLike, *, follow: bool = True) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of `path`, or None if it does not exist (or cannot be reached)."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def resolved(path: str | os.PathLike) -> str:
+    """The absolute, symlink-free spelling (a missing tail is kept as written)."""
+    return os.path.realpath(os.path.abspath(path))
+
+
+@dataclass(frozen=True)
+class _Mount:
+    device: str  # "major:minor": one filesystem, however often it is mounted
+    root: str  # the directory of that filesystem mounted here (not "/" for a bind mount)
+    point: str
+
+
+def _mounts() -> list[_Mount]:
+    """Mounts of this process, longest mount point first."""
+    mounts: list[_Mount] = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as handle:
+            for line in handle:
+                fields = line.split()
+                if len(fields) < 5:
+                    continue
+                unescape = lambda text: _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), text)  # noqa: E731
+                mounts.append(_Mount(fields[2], unescape(fields[3]), unescape(fields[4])))
+    except OSError:
+        return []
+    # A later mount on the same point hides the earlier one: keep the last of each point.
+    by_point = {m.point: m for m in mounts}
+    return sorted(by_point.values(), key=lambda m: len(m.point), reverse=True)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _filesystem_location(real: str, mounts: list[_Mount]) -> tuple[str, str] | None:
+    """(device, path inside that filesystem) of a resolved path."""
+    for mount in mounts:
+        if _under(real, mount.point):
+            rest = real[len(mount.point):].lstrip("/") if mount.point != "/" else real.lstrip("/")
+            return mount.device, os.path.normpath(os.path.join(mount.root, rest))
+    return None
+
+
+def _existing_ancestor(real: str) -> str:
+    """`real` itself, or the nearest ancestor that exists: a destination may not be made yet."""
+    probe = real
+    while not os.path.lexists(probe) and probe != "/":
+        probe = os.path.dirname(probe)
+    return probe
+
+
+def same_place(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """True when `a` and `b` name the same existing file or directory, however spelled."""
+    ida, idb = file_id(a), file_id(b)
+    return ida is not None and ida == idb
+
+
+def overlap(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """True when `a` is, lies inside, or holds `b`, through any symlink, `..` or bind mount."""
+    real_a, real_b = resolved(a), resolved(b)
+    if _under(real_a, real_b) or _under(real_b, real_a):
+        return True
+    if same_place(_existing_ancestor(real_a), real_b) or same_place(real_a, _existing_ancestor(real_b)):
+        return True
+    mounts = _mounts()
+    loc_a = _filesystem_location(real_a, mounts)
+    loc_b = _filesystem_location(real_b, mounts)
+    if loc_a is None or loc_b is None or loc_a[0] != loc_b[0]:
+        return False
+    return _under(loc_a[1], loc_b[1]) or _under(loc_b[1], loc_a[1])
+
+
+def inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """True when `path` resolves to `root` or below it, including through a bind mount of `root`."""
+    real, real_root = resolved(path), resolved(root)
+    if _under(real, real_root):
+        return True
+    mounts = _mounts()
+    loc, loc_root = _filesystem_location(real, mounts), _filesystem_location(real_root, mounts)
+    return loc is not None and loc_root is not None and loc[0] == loc_root[0] and _under(loc[1], loc_root[1])
