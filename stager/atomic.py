@@ -79,7 +79,7 @@ class AtomicFile:
 
 @contextlib.contextmanager
 def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: int | None = None,
-                sync_dir: bool = True, batch: "SyncBatch | None" = None) -> Iterator[AtomicFile]:
+                sync_dir: bool = True, batch: "SyncBatch | None" = None, chmod: int | None = None) -> Iterator[AtomicFile]:
     """Write `path` atomically. The temp file is removed if the body raises.
 
     `size_hint` preallocates (ENOSPC surfaces before any byte is copied, and the
@@ -89,6 +89,7 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
     fsyncs it once: each fsync is a journal commit, and one per file cost 1,000
     small files about a sixth of their copy time.  With `batch`, the complete
     temp file is handed to the batch, which syncs and renames it (see SyncBatch).
+    `chmod` sets an exact mode (no umask) before the rename, e.g. a read-only payload.
     """
     path = Path(path)
     temp = temp_path_for(path)
@@ -103,6 +104,8 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
             os.fsync(fd)
         # Staged bytes are cold until the engine maps them: keep them from evicting its pages.
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if chmod is not None:
+            os.fchmod(fd, chmod)
         if mtime_ns is not None:
             os.utime(fd, ns=(mtime_ns, mtime_ns))
         os.close(fd)
@@ -201,8 +204,9 @@ def _discard(fd: int, temp: Path) -> None:
         os.unlink(temp)
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644, mtime_ns: int | None = None) -> None:
-    with atomic_file(path, mode=mode, mtime_ns=mtime_ns) as out:
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644, mtime_ns: int | None = None,
+                       chmod: int | None = None) -> None:
+    with atomic_file(path, mode=mode, mtime_ns=mtime_ns, chmod=chmod) as out:
         out.write(data)
 
 

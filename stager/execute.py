@@ -8,6 +8,7 @@ is whole, so a client never resolves a revision into a half-staged snapshot.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import threading
@@ -16,13 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from stager import identity, store_modes
 from stager.atomic import SyncBatch, atomic_file, atomic_symlink, atomic_write_bytes, ensure_dir, fsync_dir, sweep_temps
 from stager.copier import copy_into
-from stager.errors import StageError
+from stager.errors import CannotRun, StageError
 from stager.fingerprint import Digest, Verdict, judge, new_hasher, sampled_digest
-from stager.hub import Problem
+from stager.hub import SHARED_STORE, Problem
 from stager.observe import DigestCache
-from stager.plan import CopyFile, MakeLink, Plan
+from stager.plan import CopyFile, MakeLink, Plan, kept_hops
+from stager.verify import check_local_chain
 
 
 # Below this size a file's fsync (a journal commit, ~3 ms here) costs more than its bytes: such
@@ -36,6 +39,7 @@ class ExecResult:
     copied_files: int
     copied_bytes: int
     problems: tuple[Problem, ...]
+    failed: frozenset[str]  # hub-relative paths that could not be written
 
 
 class _Tally:
@@ -57,14 +61,14 @@ def inside(root: Path, rel: str) -> Path:
 
 
 def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bool, jobs: int,
-            progress: Callable[[int], None] | None = None) -> ExecResult:
+            progress: Callable[[int], None] | None = None, never_write: tuple[str, ...] = ()) -> ExecResult:
+    """Copies, links and metadata. Refs are left to publish_refs, which runs after this."""
     tally = _Tally()
-    # Every directory about to be written is swept, metadata ones too: a run killed while
-    # writing a shared-store `.refs` manifest left its temp file there for good.
+    # Every directory about to be written is checked and swept, metadata ones too: a run killed
+    # while writing a shared-store `.refs` manifest left its temp file there for good.
     writes = (*plan.copies, *plan.links, *plan.metadata, *plan.refs)
     for directory in sorted({posixpath.dirname(w.dest) for w in writes}):
-        ensure_dir(inside(local_hub, directory))
-        sweep_temps(inside(local_hub, directory))
+        sweep_temps(writable_dir(local_hub, directory, never_write))
 
     batch = SyncBatch(local_hub)
 
@@ -75,11 +79,15 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
         except StageError:
             raise
         except (_Mismatch, OSError) as exc:
+            if isinstance(exc, _Mismatch):
+                problem = Problem(source.display(copy.source), "mismatch", str(exc))
+            elif _local_side(exc, local_hub):
+                problem = _local_problem(exc, inside(local_hub, copy.dest))
+            else:
+                problem = Problem(source.display(copy.source), "unreadable", exc.strerror or str(exc))
             with tally.lock:
                 tally.failed.add(copy.dest)
-                kind = "mismatch" if isinstance(exc, _Mismatch) else "unreadable"
-                detail = str(exc) if isinstance(exc, _Mismatch) else (exc.strerror or str(exc))
-                tally.problems.append(Problem(source.display(copy.source), kind, detail))
+                tally.problems.append(problem)
             return
         with tally.lock:
             tally.files += 1
@@ -106,22 +114,106 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
 
     # Links are made from the blob end back to the snapshot entry, and only to a hop that already
     # ends in a file that did not fail: a kill between two links never leaves one dangling.
-    made: set[str] = set()  # one mkdir per directory, not one per link (1,000 small files: 1,000 links)
     for link in _blob_end_first(plan.links):
         target = _target(link)
         if target in tally.failed or not inside(local_hub, target).is_file():
             tally.failed.add(link.dest)
             continue
-        if posixpath.dirname(link.dest) not in made:
-            ensure_dir(inside(local_hub, posixpath.dirname(link.dest)))
-            made.add(posixpath.dirname(link.dest))
-        atomic_symlink(link.target, inside(local_hub, link.dest), sync_dir=False)
+        _write_local(tally, local_hub, link.dest,
+                     lambda path: atomic_symlink(link.target, path, sync_dir=False))
     _fsync_dirs(local_hub, (link.dest for link in plan.links if link.dest not in tally.failed))
-    for meta in (*plan.metadata, *plan.refs):
-        path = inside(local_hub, meta.dest)
-        ensure_dir(path.parent)
-        atomic_write_bytes(path, meta.content)
-    return ExecResult(tally.files, tally.bytes, tuple(tally.problems))
+    for meta in plan.metadata:
+        _write_local(tally, local_hub, meta.dest,
+                     lambda path: atomic_write_bytes(path, meta.content, chmod=store_modes.file_mode(local_hub, meta.dest)))
+    return ExecResult(tally.files, tally.bytes, tuple(tally.problems), frozenset(tally.failed))
+
+
+def publish_refs(plan: Plan, snapshots, local_hub: Path, failed: frozenset[str],
+                 never_write: tuple[str, ...] = ()) -> list[Problem]:
+    """Write each repo's refs, last, and only when its snapshot is whole on the node: every entry
+    walked without a problem, none of its files failed, and every entry resolving locally.
+
+    A ref moved after a failed copy, or onto a snapshot the NAS had not finished, once left a
+    serving node on a revision that offline clients could not load. Otherwise the node stays
+    on the commit it had; the problem says so."""
+    problems: list[Problem] = []
+    for snap in snapshots:
+        refs = [r for r in plan.refs if r.dest.startswith(f"{snap.repo_dir}/refs/")]
+        if not refs:
+            continue
+        broken = _first_break(snap, local_hub, failed)
+        for ref in refs:
+            path = inside(local_hub, ref.dest)
+            if broken is None:
+                writable_dir(local_hub, posixpath.dirname(ref.dest), never_write)
+                atomic_write_bytes(path, ref.content)
+                continue
+            problems.append(Problem(str(path), "ref_not_moved",
+                                    f"stays on {_current_commit(path)}: snapshot {snap.commit} is not whole on "
+                                    f"the node ({broken})"))
+    return problems
+
+
+def _first_break(snap, local_hub: Path, failed: frozenset[str]) -> str | None:
+    if snap.problems:
+        return f"{len(snap.problems)} entr{'y' if len(snap.problems) == 1 else 'ies'} not staged"
+    for entry in snap.entries:
+        if any(hop in failed for hop in kept_hops(entry, snap.repo_dir)):
+            return f"{entry.path} failed"
+        _final, problem, _links = check_local_chain(local_hub, entry.rel)
+        if problem is not None:
+            return f"{entry.path}: {problem.kind}"
+    return None
+
+
+def _current_commit(ref: Path) -> str:
+    try:
+        return ref.read_text(encoding="ascii", errors="replace").strip() or "nothing"
+    except OSError:
+        return "nothing"
+
+
+def writable_dir(local_hub: Path, rel_dir: str, never_write: tuple[str, ...] = ()) -> Path:
+    """Make a directory of the node hub and check, at the moment of use, that writing in it
+    writes in the node hub: a `blobs/` linked or bind-mounted into the NAS once had the mirror
+    write into the NAS. Shared-store directories take huggingface_hub's modes (see store_modes)."""
+    path = inside(local_hub, rel_dir)
+    try:
+        ensure_dir(path)
+    except OSError as exc:
+        raise CannotRun(f"cannot create {exc.filename or path} in the node hub: {exc.strerror}") from None
+    real, root = os.path.realpath(path), os.path.realpath(local_hub)
+    if real != root and not real.startswith(root + "/"):
+        raise CannotRun(f"{path} resolves to {real}, outside the node hub; refusing to write through a link")
+    for source in never_write:
+        if identity.inside(real, source):
+            raise CannotRun(f"{path} lies in the source {source} (a link or mount); refusing to write there")
+    if rel_dir == SHARED_STORE or rel_dir.startswith(SHARED_STORE + "/"):
+        store_modes.fix_directory(path, local_hub)
+    return path
+
+
+def _write_local(tally: _Tally, local_hub: Path, dest: str, write) -> None:
+    """One link or metadata file; a local failure is a problem with the local path, or exit 3
+    when the node hub cannot be written at all."""
+    path = inside(local_hub, dest)
+    try:
+        write(path)
+    except OSError as exc:
+        tally.failed.add(dest)
+        tally.problems.append(_local_problem(exc, path))
+
+
+def _local_side(exc: OSError, local_hub: Path) -> bool:
+    root = str(local_hub).rstrip("/") + "/"
+    return exc.errno == errno.EROFS or any(str(name).startswith(root) for name in (exc.filename, exc.filename2) if name)
+
+
+def _local_problem(exc: OSError, path: Path) -> Problem:
+    """Local write errors name the local path: they once read "unreadable <NAS path>"."""
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        raise CannotRun(f"cannot write {path} in the node hub: {exc.strerror}") from None
+    return Problem(str(path), "local_error", f"cannot write the local file: {exc.strerror or exc}")
 
 
 def _fsync_dirs(local_hub: Path, dests) -> None:
@@ -151,6 +243,22 @@ class _Mismatch(Exception):
     pass
 
 
+def _unchanged_during_copy(copy: CopyFile, reader, before: tuple[int, ...], out, seed: int) -> None:
+    """Refuse a copy whose source moved under it: a file rewritten in place during the copy was
+    staged torn (old head, new tail) and one still growing as a prefix, both under exit 0, where
+    the only hash was of the bytes just read. Size, mtime and ctime must not have moved, and a
+    fresh sample of the source (past any client cache) must match the copy."""
+    after = reader.state()
+    if after != before:
+        raise _Mismatch(f"the source changed while it was copied (size, mtime, ctime {before} -> {after}); "
+                        "not staged, run the mirror again once the file is complete")
+    if hasattr(reader, "drop_cache"):
+        reader.drop_cache()
+    if judge(sampled_digest(out, seed), sampled_digest(reader, seed)) is not Verdict.MATCH:
+        raise _Mismatch("a fresh sample of the source differs from the copy: the source changed while it was "
+                        "copied; not staged, run the mirror again once the file is complete")
+
+
 def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, full: bool, progress,
                    batch: SyncBatch | None = None) -> None:
     """Copy one file and check it *before* the rename, so a wrong byte never gets a final name.
@@ -163,12 +271,14 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
     try:
         if reader.size != copy.size:
             raise _Mismatch(f"source size changed from {copy.size} to {reader.size} since the walk")
+        before = reader.state()
         hasher = new_hasher(copy.reference.method, copy.size) if full else None
         if not full:
             # Sampled through the reader the copy uses, before the copy: the copy then finds the
             # sampled pages cached, where a second uncached open read a small file twice from the NAS.
             cache.remember(copy.source, sampled_digest(reader, cache.seed))
-        with atomic_file(dest, size_hint=copy.size, mtime_ns=copy.mtime_ns, sync_dir=False, batch=batch) as out:
+        with atomic_file(dest, size_hint=copy.size, mtime_ns=copy.mtime_ns, sync_dir=False, batch=batch,
+                         chmod=store_modes.file_mode(local_hub, copy.dest)) as out:
             copy_into(reader, out, copy.size, hasher, progress)
             if full:
                 got = Digest(copy.reference.method, copy.size, hasher.hexdigest())
@@ -184,6 +294,7 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
                 raise _Mismatch(
                     f"copied bytes do not match the {copy.reference.origin if full else 'source sample'}"
                     f" ({got.method}: {got.value} != {expected.value})")
+            _unchanged_during_copy(copy, reader, before, out, cache.seed)
             st = os.fstat(out.fd)  # the inode keeps its identity through the rename (now or batched)
         cache.remember_written(dest, got, (st.st_dev, st.st_ino, copy.size, copy.mtime_ns))
         if hasattr(reader, "drop_cache"):

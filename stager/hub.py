@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from stager.atomic import is_temp_name
+from stager.errors import CannotRun
 from stager.source import Source, Stat
 
 SHARED_STORE = "blobs"
@@ -39,6 +40,7 @@ _SHARED_PAYLOAD = re.compile(r"^blobs/[^/]+/[^/]+$")
 # The kernel gives up after 40 links (ELOOP); so do we, which also bounds hostile chains.
 MAX_HOPS = 40
 _LINK_ERRNOS = {errno.ELOOP: "loop", errno.ENOTDIR: "dangling"}
+_HUB_DIR = re.compile(r"^((models|datasets|spaces)--.+|blobs)$")
 
 
 def repo_dir_name(repo_id: str, repo_type: str = "model") -> str:
@@ -216,7 +218,9 @@ def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -
     entries: list[Entry] = []
     excluded: list[str] = []
     problems: list[Problem] = []
+    seen: list[str] = []
     for path, kind in _walk_snapshot(source, snap_dir, problems):
+        seen.append(path)
         if is_excluded(path, exclude):
             excluded.append(path)
             continue
@@ -232,9 +236,101 @@ def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -
             problems.append(Problem(source.display(rel), "unreadable", exc.strerror or str(exc)))
             continue
         entries.append(Entry(repo_id, path, chain, final.size, final.mtime_ns))
+    _refuse_senseless_exclude(repo_id, snap_dir, entries, excluded, exclude, len(seen))
+    listing = _tree_listing(source, repo_dir, commit)
+    absent = missing_from_snapshot(set(seen), listing, _index_names(source, snap_dir, seen), exclude)
+    if absent:
+        # huggingface_hub writes the ref and trees/<commit>.json before the files: following such a
+        # ref moved a serving node onto a snapshot it could not load. Nothing of it is staged.
+        problem = Problem(source.display(snap_dir), "incomplete",
+                          incomplete_detail(commit, absent, _downloads_in_flight(source, repo_dir)))
+        return _with(base, commit=commit, excluded=tuple(excluded), problems=(*problems, problem))
     metadata = _metadata(source, repo_dir, commit, problems)
     return RepoSnapshot(repo_id, revision, repo_dir, commit, tuple(entries), tuple(excluded),
-                        tuple(metadata), tuple(problems), _tree_listing(source, repo_dir, commit))
+                        tuple(metadata), tuple(problems), listing)
+
+
+class ExcludeError(ValueError):
+    """`exclude` patterns that cannot mean what they say (the manifest is at fault, exit 2)."""
+
+
+def _refuse_senseless_exclude(repo_id: str, snap_dir: str, entries: list[Entry], excluded: list[str],
+                              exclude: list[str], walked: int) -> None:
+    """Rule: an excluded entry stays on the NAS, so no staged entry may need it.
+
+    An entry linking through an excluded one was once staged anyway while the report still
+    called it excluded; patterns that leave nothing staged once produced a ref and a trees json
+    without a snapshot, which huggingface_hub's scanner calls a corrupted cache."""
+    if excluded and len(excluded) == walked:
+        raise ExcludeError(f"{exclude} excludes every entry of {repo_id}'s snapshot; "
+                           f"remove {repo_id} from the node's models instead")
+    gone = {f"{snap_dir}/{path}": path for path in excluded}
+    for entry in entries:
+        for hop in entry.chain[1:]:
+            if hop in gone:
+                raise ExcludeError(f"{entry.path} links through {gone[hop]}, which {exclude} excludes; "
+                                   "exclude both or neither")
+
+
+def missing_from_snapshot(present: set[str], listing: dict, index_names: set[str], exclude: list[str]) -> list[str]:
+    """Files the commit is known to hold but the snapshot lacks (excluded ones are not wanted).
+
+    Known from trees/<commit>.json and from every safetensors index in the snapshot; both are
+    written by huggingface_hub before the files themselves. Rule shared by mirror and verify."""
+    wanted = set(listing) | index_names
+    return sorted(name for name in wanted if name not in present and not is_excluded(name, exclude))
+
+
+def incomplete_detail(commit: str, absent: list[str], in_flight: list[str]) -> str:
+    shown = ", ".join(absent[:5]) + (f" and {len(absent) - 5} more" if len(absent) > 5 else "")
+    cause = (f"a download still running or killed on the NAS ({', '.join(in_flight[:3])} present)" if in_flight
+             else "a download still running or killed on the NAS, or files deleted from it")
+    return (f"snapshot {commit} lacks {len(absent)} listed file{'s' if len(absent) != 1 else ''} ({shown}): "
+            f"{cause}; the node stays on the revision it has. If the NAS holds part of this repo on purpose, "
+            "add the absent files to the model's exclude")
+
+
+def _index_names(source: Source, snap_dir: str, paths: list[str]) -> set[str]:
+    """Weight files named by the snapshot's safetensors indexes (paths relative to the snapshot)."""
+    names: set[str] = set()
+    for path in paths:
+        if not path.endswith(".safetensors.index.json"):
+            continue
+        try:
+            data = json.loads(source.read_small(f"{snap_dir}/{path}", 64 * 1024 * 1024))
+        except (OSError, ValueError):
+            continue
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        folder = posixpath.dirname(path)
+        if isinstance(weight_map, dict):
+            names.update(posixpath.normpath(posixpath.join(folder, v)) for v in weight_map.values()
+                         if isinstance(v, str) and v and not v.startswith("/") and ".." not in v.split("/"))
+    return names
+
+
+def _downloads_in_flight(source: Source, repo_dir: str) -> list[str]:
+    try:
+        return [f"blobs/{n}" for n in source.listdir(f"{repo_dir}/blobs") if n.endswith(".incomplete")]
+    except OSError:
+        return []
+
+
+def require_hub(source: Source, repo_ids: list[str]) -> None:
+    """Exit 3 when the source is not a hub at all: an unmounted NFS mount point is an empty
+    directory, and reading it as "no such model" (exit 1) hid that the NAS was gone.
+
+    Empty, or none of the wanted repos and no `<type>s--*` directory or `blobs/`: not a hub."""
+    try:
+        names = source.listdir("")
+    except OSError as exc:
+        raise CannotRun(f"NAS hub {source.display('')} cannot be listed: {exc.strerror or exc}") from None
+    if not names:
+        raise CannotRun(f"NAS hub {source.display('')} is empty: not mounted?")
+    if any(repo_dir_name(r) in names for r in repo_ids):
+        return
+    if not any(_HUB_DIR.match(name) for name in names):
+        raise CannotRun(f"NAS hub {source.display('')} holds no hub cache (no models--*, datasets--* or blobs/): "
+                        "not mounted, or the wrong path?")
 
 
 def _moved_by_dir_link(source: Source, rel_dir: str) -> Problem | None:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+from stager import hints
 from stager.errors import BadInput, CannotRun
-from stager.execute import execute
-from stager.hub import Problem, RepoSnapshot, walk_repo
+from stager import identity
+from stager.execute import execute, publish_refs
+from stager.hub import ExcludeError, Problem, RepoSnapshot, require_hub, walk_repo
 from stager.lock import writer_lock
 from stager.manifest import Manifest
 from stager.observe import DigestCache, observe
@@ -38,6 +41,8 @@ class NodeJob:
     # The real NAS when `source` is something else (a peer): verification compares against it if reachable.
     nas: str | None = None
     aliases: dict[str, str] = field(default_factory=dict)
+    manifest: str = ""  # where the job came from, for messages that name a manifest key
+    never_write: tuple[str, ...] = ()  # local spellings of every source (see source_roots)
 
 
 @dataclass
@@ -52,6 +57,7 @@ class MirrorReport:
     bytes_needed: int = 0
     source: str = ""
     verify: VerifyReport | None = None
+    would_copy: list[dict] = field(default_factory=list)  # --dry-run: {path, source, bytes, reason} per copy
 
     def to_json(self) -> dict:
         return {
@@ -65,6 +71,7 @@ class MirrorReport:
             "bytes_needed": self.bytes_needed,
             "source": self.source,
             "verify": self.verify.to_json() if self.verify else None,
+            "would_copy": self.would_copy,
         }
 
 
@@ -76,6 +83,8 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
         if repo_id not in config.models:
             raise BadInput(f"{manifest.path}: nodes.{node}.models: {repo_id!r} is not staged on {node}")
     url = source_override or manifest.source_for(node)
+    roots = source_roots(manifest, [url])
+    refuse_source_overlap(manifest.path, f"nodes.{node}.hub", config.hub, roots)
     source = open_source(url, manifest.nas.aliases)
     return NodeJob(
         node=node,
@@ -87,12 +96,40 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
         jobs=jobs,
         nas=None if url == manifest.nas.hub else manifest.nas.hub,
         aliases=dict(manifest.nas.aliases),
+        manifest=manifest.path,
+        never_write=tuple(roots),
     )
 
 
+def source_roots(manifest: Manifest, extra: list[str] = ()) -> list[str]:
+    """Every local spelling of a source this tool must never write: the NAS hub, its alias
+    targets, and any local source given on the command line. sftp:// sources are not local."""
+    roots = [manifest.nas.hub, *manifest.nas.aliases.values(), *extra]
+    return [r.removeprefix("file://") for r in roots if r and ("://" not in r or r.startswith("file://"))]
+
+
+def refuse_source_overlap(manifest_path: str, key: str, dest: str, roots: list[str]) -> None:
+    """Exit 2 when a destination is, lies in, or holds a source, however spelled (see identity.py).
+
+    Checked when the command runs, not when the manifest is parsed: a node hub that was a symlink
+    to the NAS passed the string comparison, and the mirror wrote its lock into the NAS."""
+    for root in roots:
+        if identity.overlap(dest, root):
+            raise BadInput(f"{manifest_path}: {key}: {dest} is, lies inside or holds the source {root} "
+                           f"(resolved: {identity.resolved(dest)}); this tool never writes there")
+
+
 def walk(job: NodeJob, source: Source | None = None) -> list[RepoSnapshot]:
+    """Each repo's ref is read once here; everything after stages the commit it named."""
     source = source or job.source
-    return [walk_repo(source, repo_id, revision, list(exclude)) for repo_id, revision, exclude in job.models]
+    require_hub(source, [repo_id for repo_id, _, _ in job.models])
+    snapshots = []
+    for repo_id, revision, exclude in job.models:
+        try:
+            snapshots.append(walk_repo(source, repo_id, revision, list(exclude)))
+        except ExcludeError as exc:
+            raise BadInput(f"{job.manifest}: models.\"{repo_id}\".exclude: {exc}") from None
+    return snapshots
 
 
 def reference_source(job: NodeJob) -> Source:
@@ -133,19 +170,25 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, progress_factory: Callabl
         plan = make_plan(snapshots, observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs).local
                          if job.local_hub.exists() else {}, {})
         return _summarize(report, plan, started)
-    job.local_hub.mkdir(parents=True, exist_ok=True)
-    with writer_lock(job.local_hub / LOCK_NAME, f"local hub {job.local_hub}"):
+    with _hub_lock(job) as writable:
         seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs)
-        plan = make_plan(snapshots, seen.local, seen.meta_content)
+        plan = make_plan(snapshots, seen.local, seen.meta_content, str(job.local_hub))
         _summarize(report, plan, started)
+        if not writable and plan.writes:
+            raise CannotRun(f"node hub {job.local_hub} is on a read-only filesystem and {plan.writes} "
+                            "files need writing")
         preflight(plan, job)
         progress = progress_factory(plan.bytes_to_copy) if progress_factory else None
-        result = execute(plan, job.source, job.local_hub, cache, full=full, jobs=job.jobs, progress=progress)
+        result = execute(plan, job.source, job.local_hub, cache, full=full, jobs=job.jobs, progress=progress,
+                         never_write=job.never_write)
         report.copied_files, report.copied_bytes = result.copied_files, result.copied_bytes
         report.problems.extend(result.problems)
+        # The ref goes last, and only onto a snapshot that is whole on the node.
+        report.problems.extend(publish_refs(plan, snapshots, job.local_hub, result.failed, job.never_write))
         reference = reference_source(job)
         if reference is job.source:  # reuses the source digests read while copying
-            report.verify = verify_snapshots(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs)
+            report.verify = verify_snapshots(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs,
+                                             sources=job.never_write)
             report.verify.against = job.source.url
         else:
             report.verify = verify(job, full=full, subset=None, reference=reference)
@@ -153,6 +196,28 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, progress_factory: Callabl
         report.problems.extend(p for p in report.verify.problems if p.path not in known)
     report.seconds = time.monotonic() - started
     return report
+
+
+@contextlib.contextmanager
+def _hub_lock(job: NodeJob) -> Iterator[bool]:
+    """The writer lock, yielding True; on a read-only node hub no lock (nothing can change it
+    there) and False, so a hub with nothing to write still verifies."""
+    if _read_only(job.local_hub):
+        yield False
+        return
+    try:
+        job.local_hub.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CannotRun(f"node hub {job.local_hub} cannot be created: {exc.strerror}") from None
+    with writer_lock(job.local_hub / LOCK_NAME, f"local hub {job.local_hub}"):
+        yield True
+
+
+def _read_only(path: Path) -> bool:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
 
 
 def _summarize(report: MirrorReport, plan: Plan, started: float) -> MirrorReport:
@@ -163,6 +228,8 @@ def _summarize(report: MirrorReport, plan: Plan, started: float) -> MirrorReport
     if report.dry_run:
         report.copied_files = len(plan.copies)
         report.copied_bytes = plan.bytes_to_copy
+        report.would_copy = [{"path": c.dest, "source": c.source, "bytes": c.size, "reason": c.reason}
+                             for c in plan.copies]
     report.seconds = time.monotonic() - started
     return report
 
@@ -171,11 +238,12 @@ def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source
     reference = reference or reference_source(job)
     snapshots = walk(job, reference)
     cache = DigestCache(reference, job.seed)
-    report = verify_snapshots(reference, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs)
+    report = verify_snapshots(reference, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs,
+                              sources=job.never_write)
     report.problems[:0] = [p for s in snapshots for p in s.problems]
     report.against = reference.url
     if report.problems:
-        report.repairs.append(f"stage mirror --node {job.node}{' --full' if full else ''}")
+        report.repairs.append(hints.command("mirror", "--node", job.node, *(["--full"] if full else [])))
     return report
 
 

@@ -125,11 +125,14 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
         local.update(pool.map(look_at_final, sorted(finals)))
     for dest in wanted_links(snapshots):
         local[dest] = _lstat(local_hub / dest)
-    meta_content = _metadata_content(source, snapshots)
+    meta_content = _metadata_content(source, snapshots, local_hub)
     for rel in meta_content:
         state = _lstat(local_hub / rel)
         if state.kind == "file" and state.size <= META_LIMIT:
-            state = LocalState("file", state.size, state.inode, content=(local_hub / rel).read_bytes())
+            try:
+                state = LocalState("file", state.size, state.inode, content=(local_hub / rel).read_bytes())
+            except FileNotFoundError:  # deleted since the lstat: plan it as absent
+                state = LocalState("absent")
         local[rel] = state
     return Observation(local, meta_content)
 
@@ -154,12 +157,35 @@ def _lstat(path: Path) -> LocalState:
     return LocalState("dir" if stat_module.S_ISDIR(st.st_mode) else "other")
 
 
-def _metadata_content(source: Source, snapshots: list[RepoSnapshot]) -> dict[str, bytes]:
+def _manifest_lines(path: Path) -> list[str]:
+    try:
+        if not stat_module.S_ISREG(os.lstat(path).st_mode):
+            return []
+        return path.read_bytes()[:META_LIMIT].decode(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def _links_to(local_hub: Path, name: str, payload: str) -> bool:
+    """True when the node's repo blob `name` is a link to the shared `payload`."""
+    if name.count("/") != 2 or ".." in name.split("/"):
+        return False
+    try:
+        target = os.readlink(local_hub / name)
+    except OSError:
+        return False
+    return os.path.normpath(os.path.join(os.path.dirname(name), target)) == payload
+
+
+def _metadata_content(source: Source, snapshots: list[RepoSnapshot], local_hub: Path) -> dict[str, bytes]:
     """Bytes of every metadata file to stage: refs, trees, .no_exist, and the shared-store records."""
     content: dict[str, bytes] = {}
     for snap in snapshots:
         for rel in snap.metadata:
-            content[rel] = source.read_small(rel, META_LIMIT)
+            # A ref holds the commit the walk read it as: reading it again here once staged a commit
+            # whose snapshot was never walked, when the NAS ref moved in between.
+            is_ref = rel.startswith(f"{snap.repo_dir}/refs/")
+            content[rel] = snap.commit.encode() if is_ref else source.read_small(rel, META_LIMIT)
     referrers: dict[str, set[str]] = {}
     for snap in snapshots:
         for entry in snap.entries:
@@ -168,14 +194,13 @@ def _metadata_content(source: Source, snapshots: list[RepoSnapshot]) -> dict[str
                 if is_shared_payload(nxt):
                     referrers.setdefault(nxt, set()).add(here)
     for payload, names in referrers.items():
+        # The node's manifest lists exactly the node's repo blobs that link to the payload: this
+        # run's, plus those already on the node (another manifest's models). Copying the NAS text
+        # listed repos the node never had, and wrote over huggingface_hub's own GC rewrite.
         manifest = f"{payload}.refs"
-        st = source.lstat(manifest)
-        nas_text = source.read_small(manifest, META_LIMIT) if st is not None and st.kind == "file" else b""
-        listed = set(nas_text.decode(errors="replace").splitlines())
-        # The NAS manifest is copied as is; referrers it does not list are appended, because
-        # huggingface_hub's cache cleaner would otherwise treat the local payload as garbage.
-        missing = "".join(f"{name}\n" for name in sorted(names) if name not in listed and name.count("/") == 2)
-        content[manifest] = nas_text + missing.encode()
+        on_node = {name for name in _manifest_lines(local_hub / manifest) if _links_to(local_hub, name, payload)}
+        wanted = on_node | {name for name in names if name.count("/") == 2}
+        content[manifest] = "".join(f"{name}\n" for name in sorted(wanted)).encode()
     if referrers:
         st = source.lstat(SHARED_MARKER)
         # Without the marker, huggingface_hub's scanner reports the root `blobs/` as a corrupted repo.

@@ -71,6 +71,10 @@ class Plan:
     def bytes_to_copy(self) -> int:
         return sum(copy.size for copy in self.copies)
 
+    @property
+    def writes(self) -> int:
+        return len(self.copies) + len(self.links) + len(self.metadata) + len(self.refs)
+
 
 def kept_hops(entry: Entry, repo_dir: str) -> tuple[str, ...]:
     """The hops of `entry` that exist locally (see module doc). Always starts with the entry itself."""
@@ -112,29 +116,38 @@ def wanted_metadata(snapshots: list[RepoSnapshot], meta_content: dict[str, bytes
     return metadata, refs
 
 
-def make_plan(snapshots: list[RepoSnapshot], local: dict[str, LocalState], meta_content: dict[str, bytes]) -> Plan:
+def make_plan(snapshots: list[RepoSnapshot], local: dict[str, LocalState], meta_content: dict[str, bytes],
+              local_hub: str = "") -> Plan:
     """Decide what to copy, link, rewrite or leave alone.
 
     A local file is kept only when the comparison rule says MATCH. Files that share
     an inode while expecting different content (a size-only hardlink dedup once
     bound the wrong weight this way) are all re-copied, which splits the link.
+    A directory standing where a file or link belongs is reported with its local path and
+    left alone: it is the operator's, and renaming over it failed as an internal error.
     """
     finals = final_files(snapshots)
     wrong_links = _wrongly_shared(finals, local)
     copies: list[CopyFile] = []
+    problems: list[Problem] = [p for s in snapshots for p in s.problems]
     kept = 0
     for dest, (entry, reference) in sorted(finals.items()):
         state = local.get(dest, LocalState("absent"))
+        if state.kind == "dir":
+            problems.append(_directory_in_the_way(local_hub, dest, "the file"))
+            continue
         reason = _copy_reason(state, entry.size, dest in wrong_links)
         if reason is None:
             kept += 1
             continue
         copies.append(CopyFile(dest, entry.final, entry.size, entry.mtime_ns, reference, reason))
-    links = [
-        MakeLink(dest, target, "missing" if local.get(dest, LocalState("absent")).kind == "absent" else "points elsewhere")
-        for dest, target in sorted(wanted_links(snapshots).items())
-        if local.get(dest, LocalState("absent")).link_target != target
-    ]
+    links = []
+    for dest, target in sorted(wanted_links(snapshots).items()):
+        state = local.get(dest, LocalState("absent"))
+        if state.kind == "dir":
+            problems.append(_directory_in_the_way(local_hub, dest, "the link"))
+        elif state.link_target != target:
+            links.append(MakeLink(dest, target, "missing" if state.kind == "absent" else "points elsewhere"))
     metadata, refs = wanted_metadata(snapshots, meta_content)
     metadata = [m for m in metadata if local.get(m.dest, LocalState("absent")).content != m.content]
     refs = [r for r in refs if local.get(r.dest, LocalState("absent")).content != r.content]
@@ -146,8 +159,13 @@ def make_plan(snapshots: list[RepoSnapshot], local: dict[str, LocalState], meta_
         kept_files=kept,
         entries=sum(len(s.entries) for s in snapshots),
         excluded=tuple(path for s in snapshots for path in s.excluded),
-        problems=tuple(p for s in snapshots for p in s.problems),
+        problems=tuple(problems),
     )
+
+
+def _directory_in_the_way(local_hub: str, dest: str, what: str) -> Problem:
+    return Problem(posixpath.join(local_hub, dest), "local_conflict",
+                   f"a directory stands where {what} belongs; remove it and run the mirror again")
 
 
 def _copy_reason(state: LocalState, size: int, wrongly_shared: bool) -> str | None:

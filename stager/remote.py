@@ -430,6 +430,12 @@ class RemoteReader:
         self._pos += got
         return got
 
+    def state(self) -> tuple[int, ...]:
+        """Size and mtime as the server reports them now (SFTP carries whole seconds, no ctime)."""
+        with self._source._failures(self._sftp, f"stat of {self._rel}"):
+            attrs = self._handle.stat()
+        return attrs.st_size, attrs.st_mtime
+
     def close(self) -> None:
         try:
             with self._source._failures(self._sftp, f"closing {self._rel}"):

@@ -44,7 +44,7 @@ def stat_from_mode(mode: int, size: int, mtime_ns: int) -> Stat:
 # How a network mount (NFS, sshfs, SMB) says that its server is gone, as opposed to one bad file.
 # Every later read would fail the same way, so the run stops with exit 3 instead of reporting
 # each remaining entry as unreadable.
-LOST_MOUNT_ERRNOS = frozenset({errno.ENOTCONN, errno.ECONNABORTED, errno.ECONNRESET, errno.EHOSTDOWN,
+LOST_MOUNT_ERRNOS = frozenset({errno.ESTALE, errno.ENOTCONN, errno.ECONNABORTED, errno.ECONNRESET, errno.EHOSTDOWN,
                                errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT})
 
 
@@ -65,6 +65,8 @@ class Reader(Protocol):
     def pread(self, length: int, offset: int) -> bytes: ...
 
     def readinto(self, buffer: memoryview) -> int: ...
+
+    def state(self) -> tuple[int, ...]: ...
 
     def close(self) -> None: ...
 
@@ -129,6 +131,12 @@ class LocalReader:
             got = os.preadv(self.fd, [buffer], self._pos)
         self._pos += got
         return got
+
+    def state(self) -> tuple[int, ...]:
+        """Size, mtime and ctime now: a copy is kept only if these did not move while it ran."""
+        with reaching(self.path):
+            st = os.fstat(self.fd)
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
     def drop_cache(self) -> None:
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)

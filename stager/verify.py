@@ -16,6 +16,7 @@ from pathlib import Path
 
 import xxhash
 
+from stager import identity
 from stager.fingerprint import Verdict, judge, reference_for
 from stager.hub import Entry, Problem, RepoSnapshot
 from stager.observe import DigestCache, expected_digest, local_digest
@@ -53,6 +54,7 @@ class VerifyReport:
     seed: int | None
     checked: int = 0
     ok: int = 0
+    content_checked: int = 0  # entries whose bytes were compared (all, or the subset's)
     problems: list[Problem] = field(default_factory=list)
     links_ok: int = 0
     excluded: list[str] = field(default_factory=list)
@@ -67,6 +69,7 @@ class VerifyReport:
     def merge(self, other: "VerifyReport") -> None:
         self.checked += other.checked
         self.ok += other.ok
+        self.content_checked += other.content_checked
         self.problems.extend(other.problems)
         self.links_ok += other.links_ok
         self.excluded.extend(other.excluded)
@@ -77,6 +80,7 @@ class VerifyReport:
         return {
             "checked": self.checked,
             "ok": self.ok,
+            "content_checked": self.content_checked,
             "problems": [p.to_json() for p in self.problems],
             "mode": self.mode,
             "seed": self.seed,
@@ -94,10 +98,13 @@ class VerifyReport:
         }
 
 
-def check_local_chain(local_hub: Path, entry_rel: str, realpath=os.path.realpath) -> tuple[str | None, Problem | None, int]:
+def check_local_chain(local_hub: Path, entry_rel: str, realpath=os.path.realpath,
+                      sources: tuple[str, ...] = ()) -> tuple[str | None, Problem | None, int]:
     """Follow the staged entry's links. Returns (final hub-relative file, problem, links followed).
 
-    `realpath` may be a memo for one pass over many entries, which share a few directories."""
+    The final file counts as local only if its real directory is in the node hub and in none of
+    `sources` (the NAS and its aliases): a node `blobs/` linked or bind-mounted into the NAS once
+    passed as "ok" and "local". `realpath` may be a memo for one pass over many entries."""
     root = realpath(local_hub)
     current = entry_rel
     links = 0
@@ -105,11 +112,14 @@ def check_local_chain(local_hub: Path, entry_rel: str, realpath=os.path.realpath
         path = local_hub / current
         try:
             st = os.lstat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             kind = "missing" if current == entry_rel else "dangling"
             return None, Problem(str(local_hub / entry_rel), kind,
                                  "not staged" if kind == "missing" else f"link target {path} does not exist"), links
         if stat.S_ISREG(st.st_mode):
+            where = _outside(realpath(path.parent), root, sources)
+            if where:
+                return None, Problem(str(local_hub / entry_rel), "remote", f"{path} {where}"), links
             return current, None, links
         if not stat.S_ISLNK(st.st_mode):
             return None, Problem(str(path), "not_a_file", "expected a regular file or a link"), links
@@ -123,30 +133,50 @@ def check_local_chain(local_hub: Path, entry_rel: str, realpath=os.path.realpath
     return None, Problem(str(local_hub / entry_rel), "loop", "more than 40 link hops"), links
 
 
+@functools.lru_cache(maxsize=4096)
+def _outside_sources(real_dir: str, sources: tuple[str, ...]) -> str | None:
+    for source in sources:
+        if identity.inside(real_dir, source):
+            return f"lies in the source {source} (through a link or mount)"
+    return None
+
+
+def _outside(real_dir: str, root: str, sources: tuple[str, ...]) -> str | None:
+    """Why a file in `real_dir` is not on the node hub, or None."""
+    if real_dir != root and not real_dir.startswith(root + "/"):
+        return f"resolves to {real_dir}, outside the local hub, through a directory link"
+    return _outside_sources(real_dir, sources) if sources else None
+
+
 def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cache: DigestCache, *,
-                     full: bool, subset: Subset | None = None, jobs: int = 4) -> VerifyReport:
+                     full: bool, subset: Subset | None = None, jobs: int = 4,
+                     sources: tuple[str, ...] = ()) -> VerifyReport:
+    """Structure (every entry, whatever the subset), then content (the subset's entries only)."""
     report = VerifyReport("full" if full else "sampled", None if full else cache.seed,
                           subset=str(subset) if subset else None)
     work: list[tuple[Entry, RepoSnapshot, str]] = []
     realpath = functools.lru_cache(maxsize=None)(os.path.realpath)  # this pass only: links may change later
+    _outside_sources.cache_clear()
     for snap in snapshots:
         report.excluded.extend(snap.excluded)
         for entry in snap.entries:
-            final, problem, links = check_local_chain(local_hub, entry.rel, realpath)
-            if subset is not None and not subset.contains(kept_hops(entry, snap.repo_dir)[-1]):
-                continue
+            final, problem, links = check_local_chain(local_hub, entry.rel, realpath, sources)
             report.checked += 1
             if problem is not None:
                 report.problems.append(problem)
                 continue
             report.links_ok += links
-            work.append((entry, snap, final))
+            if subset is None or subset.contains(kept_hops(entry, snap.repo_dir)[-1]):
+                work.append((entry, snap, final))
+            else:
+                report.ok += 1  # structure checked; content is another subset's turn
         report.checked += _check_metadata(source, local_hub, snap, report)
 
     def content(item):
         entry, snap, final = item
         return item, _check_content(local_hub, entry, snap, final, cache, full)
 
+    report.content_checked += len(work)
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         for (entry, _snap, _final), (problem, reread) in pool.map(content, work):
             if problem is not None:
@@ -162,7 +192,10 @@ def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str
                    full: bool) -> tuple[Problem | None, bool]:
     path = local_hub / final
     reference = reference_for(entry, snap.tree_listing)
-    size = os.path.getsize(path)
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:  # removed since its structure was checked
+        return Problem(str(local_hub / entry.rel), "missing", "not staged"), False
     if size != entry.size:
         return Problem(str(local_hub / entry.rel), "mismatch", f"size {size} != source size {entry.size}"), False
     method = reference.method if full else f"sampled:{cache.seed}"
@@ -185,7 +218,7 @@ def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str
 
 
 def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyReport) -> int:
-    """refs and trees must be byte-identical to the source's."""
+    """Refs must name the commit the walk read; trees must be byte-identical to the source's."""
     checked = 0
     for rel in snap.metadata:
         if "/.no_exist/" in rel:
@@ -193,10 +226,12 @@ def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyR
         checked += 1
         try:
             mine = (local_hub / rel).read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):
             report.problems.append(Problem(str(local_hub / rel), "missing", "metadata file not staged"))
             continue
-        if mine != source.read_small(rel, len(mine) + 1):
+        is_ref = rel.startswith(f"{snap.repo_dir}/refs/")
+        theirs = snap.commit.encode() if is_ref else source.read_small(rel, len(mine) + 1)
+        if mine != theirs:
             report.problems.append(Problem(str(local_hub / rel), "mismatch", "differs from the source copy"))
         else:
             report.ok += 1

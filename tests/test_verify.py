@@ -115,10 +115,22 @@ def test_links_missing_dangling_and_remote_are_named(staged):
 
 def test_rotating_scrub_covers_every_blob_once(staged):
     total = verify(staged, "--full").json
-    counts = [verify(staged, "--full", "--subset", f"{n}/3").json["checked"] for n in (1, 2, 3)]
-    metadata = total["checked"] - 5  # 5 entries; refs and trees are checked in every bucket
-    assert sum(c - metadata for c in counts) == 5
-    assert verify(staged, "--full", "--subset", "0/3").json["checked"] == counts[2]  # N is taken modulo T
+    assert total["content_checked"] == 5
+    runs = [verify(staged, "--full", "--subset", f"{n}/3").json for n in (1, 2, 3)]
+    assert sum(run["content_checked"] for run in runs) == 5  # each blob's bytes are read in one bucket
+    assert all(run["checked"] == total["checked"] for run in runs)  # structure: every entry, every bucket
+    assert verify(staged, "--full", "--subset", "0/3").json["content_checked"] == runs[2]["content_checked"]
+
+
+def test_every_subset_checks_the_structure_of_every_entry(staged):
+    """A deleted snapshot entry once passed 6 of 7 subsets: only its own bucket looked at it."""
+    entry = next(p for p in (staged["local"]).rglob("snapshots/*/*") if p.is_symlink())
+    entry.unlink()
+    for n in range(1, 8):
+        result = verify(staged, "--full", "--subset", f"{n}/7")
+        assert result.code == 1, f"subset {n}/7 passed with {entry} deleted"
+        assert [p["kind"] for p in result.json["problems"]] == ["missing"]
+        assert result.json["problems"][0]["path"] == str(entry)
     bad = verify(staged, "--full", "--subset", "5/3")
     assert bad.code == 2 and "--subset" in bad.stderr
 
