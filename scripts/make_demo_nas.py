@@ -1,7 +1,17 @@
 #!/usr/bin/env python3
 """Create a demo NAS hub cache and a manifest for it: `python scripts/make_demo_nas.py [DIR]`.
 
-Then: `stage mirror --node dgx1 --manifest DIR/cluster.toml`.
+DIR (default ./demo) gets a NAS hub under DIR/nas with the traps a real one has (an absolute
+link through a NAS-side alias, a shared blob store, an excluded subtree, a .no_exist marker),
+and DIR/cluster.toml with two nodes:
+
+- dgx1 stages the models, nothing else. The README's main job mirrors it, and every command the
+  README shows next (verify, binds, audit, mirror --dry-run) then exits 0.
+- dgx2 also packs Engram row shards into its engram_dir. A node with shards configured verifies
+  clean only once they are packed, so it is a node of its own, with its own steps:
+  `stage mirror --node dgx2`, `stage pack-engram --node dgx2`, `stage verify --node dgx2`.
+
+Prints the manifest's path on stdout.
 """
 
 import shutil
@@ -12,12 +22,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hubgen import build_demo  # noqa: E402
 
+MANIFEST = """\
+# Demo cluster: a NAS hub under {root}/nas, and two nodes whose local disks are
+# {root}/nvme (dgx1) and {root}/nvme-dgx2 (dgx2).
+[nas]
+hub = "{nas}"
+aliases = {{ "/volume1/hf/hub" = "{nas}" }}  # the NAS wrote some links as /volume1/...
+
+[models."acme/Flash-3bpw"]
+revision = "main"
+exclude = ["page15/**"]      # stays on the NAS; `stage binds` mounts it from there
+
+[models."acme/Flash-drafter"]
+revision = "main"
+
+[nodes.dgx1]
+hub = "{root}/nvme/hf/hub"
+reserve = "64MiB"
+models = ["acme/Flash-3bpw", "acme/Flash-drafter"]
+
+[nodes.dgx2]
+hub = "{root}/nvme-dgx2/hf/hub"
+reserve = "64MiB"
+models = ["acme/Flash-3bpw"]
+engram_dir = "{root}/nvme-dgx2/engram"
+rank = 0
+
+[engram]
+model = "acme/Flash-3bpw"
+world = 3
+"""
+
 
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "demo")
     if root.exists():
         shutil.rmtree(root)
-    manifest = build_demo(root)
+    manifest = build_demo(root)  # the NAS, and a manifest that this demo replaces with its own
+    root = manifest.parent
+    manifest.write_text(MANIFEST.format(root=root, nas=root / "nas" / "hf" / "hub"))
     print(manifest)
 
 

@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from stager import __version__
+from stager import __version__, hints
 from stager.atomic import atomic_file, atomic_write_bytes, ensure_dir, fsync_dir, sweep_temps
 from stager.errors import BadInput, CannotRun
 from stager.hub import Entry, LinkError, Problem, repo_dir_name, resolve_chain, resolve_revision
@@ -363,7 +363,8 @@ def open_checkpoint(manifest: Manifest, node_name: str, *, from_nas: bool) -> Ch
     except _NotStaged as exc:
         if not from_nas:
             raise CannotRun(f"{engram.model} is not staged on {node_name}: {exc} "
-                            f"(run `stage mirror --node {node_name}` first, or pass --from-nas)") from None
+                            f"(run `{hints.command('mirror', '--node', node_name)}` first, or read the NAS: "
+                            f"`{hints.command('pack-engram', '--node', node_name, '--from-nas')}`)") from None
     url = manifest.source_for(node_name)
     try:
         return load_checkpoint(open_source(url, manifest.nas.aliases), engram.model, revision, f"NAS {url}")
@@ -787,7 +788,7 @@ def verify_engram(manifest: Manifest, node_name: str, *, full: bool, seed: int |
             report.ok += 1
         else:
             kind = "missing" if reason == "not packed yet" else "mismatch"
-            repair = f"stage pack-engram --node {node_name} --rank {spec.rank}"
+            repair = hints.command("pack-engram", "--node", node_name, "--rank", spec.rank)
             report.problems.append(Problem(str(spec.path), kind, f"{reason} (repair: {repair})"))
             if repair not in report.repairs:
                 report.repairs.append(repair)

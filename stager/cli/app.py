@@ -1,14 +1,24 @@
-"""The typer app, the options every command shares, and the one place that ends a command."""
+"""The typer app, the options every command shares, and the one place that ends a command.
+
+How a command ends is the contract operators script against (docs/design.md §7):
+0 clean, 1 problems found, 2 bad input or usage, 3 could not run, 130 interrupted (SIGINT),
+143 terminated (SIGTERM), and a closed stdout never turns into 1. The result goes to stdout,
+everything else to stderr, and with `--json` stdout holds exactly one JSON object, an error
+included. `main()` enforces all of it, so the commands only parse, call the core and report.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import sys
 from typing import Annotated, Optional
 
 import typer
 
-from stager.errors import EXIT_CANNOT_RUN, StageError
+from stager import hints
+from stager.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN, StageError
 
 app = typer.Typer(
     name="stage",
@@ -17,33 +27,183 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts show "[default: ...]" literally
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every subcommand
 )
+
+
+def _remember_manifest(value: Optional[str]) -> Optional[str]:
+    hints.use_manifest(value)  # every printed repair command then carries the same --manifest
+    return value
+
 
 ManifestOpt = Annotated[
     Optional[str],
-    typer.Option("--manifest", "-m", help="Manifest path [default: $STAGE_MANIFEST or manifests/cluster.toml]"),
+    typer.Option("--manifest", "-m", metavar="PATH", callback=_remember_manifest,
+                 help="Manifest path [default: $STAGE_MANIFEST or manifests/cluster.toml]"),
 ]
-NodeOpt = Annotated[str, typer.Option("--node", "-n", help="Node name from the manifest's [nodes] table")]
-OptionalNodeOpt = Annotated[Optional[str], typer.Option("--node", "-n", help="Node name from the manifest's [nodes] table")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout")]
+NodeOpt = Annotated[str, typer.Option("--node", "-n", metavar="NAME", help="Node name from the manifest's [nodes] table")]
+OptionalNodeOpt = Annotated[Optional[str], typer.Option("--node", "-n", metavar="NAME",
+                                                        help="Node name from the manifest's [nodes] table")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout, errors included")]
 FullOpt = Annotated[bool, typer.Option("--full", help="Hash every byte against the strongest reference")]
-JobsOpt = Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, max=64, help="Files copied or checked in parallel")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed for the sampled regions [default: random, reported]")]
+JobsOpt = Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, max=64, metavar="N",
+                                                help="Files copied or checked in parallel (1-64)")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N",
+                                                help="Seed for the sampled regions [default: random, reported]")]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from stager import __version__
+
+        typer.echo(f"stage {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _stage(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit")] = False,
+) -> None:
+    """Stage model weights and Engram row shards onto node-local NVMe, verified."""
+
+
+class Signalled(BaseException):
+    """SIGINT or SIGTERM, raised in the main thread so that every `finally` and `with` on the way
+    out runs: temp files are discarded and locks released before the process ends.
+
+    A BaseException of its own, not KeyboardInterrupt: typer turned KeyboardInterrupt into a
+    silent exit 130, and click's Abort into "Aborted!" with exit 1, before this module saw it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.exit_code = 128 + signum
+        self.message = "interrupted" if signum == signal.SIGINT else "terminated"
+
+
+def _on_signal(signum: int, _frame) -> None:
+    # A second signal while the first one's clean-up runs ends the process the default way.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Signalled(signum)
 
 
 def main() -> None:
-    """Entry point: every StageError becomes one line on stderr and its documented exit code."""
+    """Entry point: run the command and turn however it ended into its documented exit code."""
+    argv = sys.argv[1:]
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    code, line, error = _run(argv)
+    from stager.cli import terminal
+
+    if line is not None:
+        terminal.say(f"stage: {line}")
+    if error is not None and _wants_json(argv) and not terminal.emitted_json():
+        terminal.emit_json({"error": error, "exit_code": code})
+    terminal.close_stdout()
+    sys.exit(code)
+
+
+def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
+    """(exit code, the one line for stderr, the error for a --json object) of running the command."""
     try:
-        app()
+        command = typer.main.get_command(app)
+        _word_placeholders(command)
+        result = command.main(args=argv, prog_name="stage", standalone_mode=False)
+        return (result if isinstance(result, int) else 0), None, None
+    except Signalled as exc:
+        return exc.exit_code, exc.message, exc.message
+    except typer.Abort:  # click's own reading of Ctrl-C (at a prompt, say)
+        return 128 + signal.SIGINT, "interrupted", "interrupted"
+    except typer.TyperException as exc:  # usage: unknown option, missing --node, ...
+        exc.show()  # "Usage: ... Try 'stage X -h' for help. Error: ..." on stderr
+        return EXIT_BAD_INPUT, None, exc.format_message()
     except StageError as exc:
-        print(f"stage: error: {exc.message}", file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        print("stage: interrupted", file=sys.stderr)
-        sys.exit(130)
+        return exc.exit_code, f"error: {exc.message}", exc.message
+    except OSError as exc:  # not mapped by the core: name the path and what the operator can do
+        message = describe_os_error(exc)
+        return EXIT_CANNOT_RUN, f"error: {message}", message
+    except SystemExit as exc:
+        if _stdout_closed_under_typer():
+            return 128 + signal.SIGPIPE, None, None
+        return (exc.code if isinstance(exc.code, int) else 1), None, None
     except Exception as exc:  # noqa: BLE001 - the contract is one line, never a traceback
         if os.environ.get("STAGE_DEBUG"):
             raise
-        print(f"stage: internal error: {type(exc).__name__}: {exc} (set STAGE_DEBUG=1 for the traceback)",
-              file=sys.stderr)
-        sys.exit(EXIT_CANNOT_RUN)
+        message = f"internal error: {type(exc).__name__}: {exc} (set STAGE_DEBUG=1 for the traceback)"
+        return EXIT_CANNOT_RUN, message, message
+
+
+def _wants_json(argv: list[str]) -> bool:
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return False
+        if arg == "--json" or arg == "--format=json" or (arg == "--format" and argv[i + 1:i + 2] == ["json"]):
+            return True
+    return False
+
+
+def _stdout_closed_under_typer() -> bool:
+    """typer answers a BrokenPipeError it sees with sys.exit(1) ("problems found") after wrapping
+    stdout in click's PacifyFlushWrapper; that wrapper is how the closed pipe is recognised."""
+    return type(sys.stdout).__name__ == "PacifyFlushWrapper"
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an OSError nobody mapped: what failed, on which path, and who needs access."""
+    path = exc.filename if exc.filename is not None else exc.filename2
+    if exc.errno == errno.EROFS:
+        return f"read-only file system: {path}: remount it read-write, or stage onto another filesystem"
+    if exc.errno in (errno.EACCES, errno.EPERM) and path is not None:
+        path = os.fspath(path)
+        # Creating a file fails on the file's name; the directory is what needs the access.
+        target, need = (path, "access to") if os.path.lexists(path) else (os.path.dirname(path) or ".", "write access to")
+        return (f"permission denied: {target}{_ownership(target)}: stage runs as user {_user()}, "
+                f"which needs {need} it; run stage as a user who has it, or grant {_user()} access")
+    reason = exc.strerror or str(exc)
+    return f"{reason}: {path}" if path is not None else reason
+
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
+def _ownership(path: str) -> str:
+    import grp
+    import pwd
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ""
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f" (owner {owner}:{group}, mode {stat.filemode(st.st_mode)})"
+
+
+# Typer names a value after its Python type ("<str>", "<list[int]>", "<int range>"); operators
+# read words. Options that name their own metavar keep it; the rest are named here, once.
+_TYPE_WORDS = {int: "N", float: "N"}
+
+
+def _word_placeholders(command) -> None:
+    for sub in getattr(command, "commands", {}).values():
+        for param in sub.params:
+            if param.param_type_name != "option" or param.metavar is not None or getattr(param, "is_flag", False):
+                continue
+            annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+            inner = getattr(annotation, "__args__", (annotation,))[0]  # Optional[int], list[int] -> int
+            param.metavar = _TYPE_WORDS.get(inner) or (param.name or "value").upper()

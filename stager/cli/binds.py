@@ -6,16 +6,18 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import ManifestOpt, NodeOpt, app
+from stager.cli.app import JsonOpt, ManifestOpt, NodeOpt, app
 from stager.cli import terminal
 
 
 @app.command()
 def binds(
     node: NodeOpt,
-    format: Annotated[str, typer.Option("--format", help="docker (-v arguments, one per line) or json")] = "docker",
+    json: JsonOpt = False,
+    format: Annotated[str, typer.Option("--format", metavar="docker|json",
+                                        help="docker: -v arguments, one per line; json: the same as --json")] = "docker",
     container_hub: Annotated[Optional[str], typer.Option(
-        "--container-hub", help="HF_HUB_CACHE inside the container [default: the node's hub path]")] = None,
+        "--container-hub", metavar="PATH", help="HF_HUB_CACHE inside the container [default: the node's hub path]")] = None,
     manifest: ManifestOpt = None,
 ) -> None:
     """Print the bind mounts that give a container the node's models, staged files first."""
@@ -26,12 +28,13 @@ def binds(
     if format not in ("docker", "json"):
         raise BadInput(f"--format {format}: expected docker or json")
     result = core.node_binds(load_manifest(manifest), node, container_hub)
-    if format == "json":
+    if json or format == "json":
         terminal.emit_json(result.to_json())
     else:
+        # stdout is `docker run $(stage binds ...)` input: only -v arguments there, the rest on stderr.
         for bind in result.binds:
-            typer.echo(bind.docker())
-        terminal.say(f"{node}: {len(result.binds)} binds, {result.local} files local, "
-                     f"{result.nas_fallback} from the NAS; set HF_HUB_CACHE={result.container_hub} in the container")
+            terminal.report(bind.docker())
+        terminal.say(f"{node}: {terminal.count(len(result.binds), 'bind')}, {terminal.count(result.local, 'file')} "
+                     f"local, {result.nas_fallback} from the NAS; set HF_HUB_CACHE={result.container_hub} in the container")
         terminal.print_problems(result.problems)
     terminal.exit_with(result.problems)

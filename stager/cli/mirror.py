@@ -13,15 +13,16 @@ from stager.cli import terminal
 @app.command()
 def mirror(
     node: NodeOpt,
-    model: Annotated[Optional[list[str]], typer.Option("--model", help="Only this repo (repeatable)")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan and print; write nothing")] = False,
+    model: Annotated[Optional[list[str]], typer.Option("--model", metavar="REPO", help="Only this repo (repeatable)")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be copied and why; write nothing")] = False,
     full: FullOpt = False,
     jobs: JobsOpt = None,
     json: JsonOpt = False,
     seed: SeedOpt = None,
     source: Annotated[Optional[str], typer.Option(
-        "--source", help="Stage from this hub (a path, or sftp://[user@]host[:port]/path of a peer) "
-                         "instead of the manifest's; verification still compares against the NAS when it answers")] = None,
+        "--source", metavar="PATH|URL", help="Stage from this hub (a path, or sftp://[user@]host[:port]/path of a peer) "
+                                             "instead of the manifest's; verification still compares against the NAS "
+                                             "when it answers")] = None,
     manifest: ManifestOpt = None,
 ) -> None:
     """Mirror the node's models into its local hub, then verify them."""
@@ -29,14 +30,18 @@ def mirror(
     from stager.manifest import load_manifest
 
     job = core.node_job(load_manifest(manifest), node, model, jobs=jobs or core.default_jobs(), seed=seed,
-                         source_override=source)
+                        source_override=source)
     report = core.mirror(job, full=full, dry_run=dry_run, progress_factory=terminal.byte_progress(not json, "stage"))
     if json:
         terminal.emit_json(report.to_json())
     else:
+        for item in report.would_copy:
+            terminal.report(f"  would copy {terminal.printable(item['path'])} "
+                            f"({terminal.size(item['bytes'])}): {item['reason']}")
         verb = "would copy" if dry_run else "copied"
-        terminal.say(f"{node}: {verb} {report.copied_files} files ({terminal.size(report.copied_bytes)}), "
-                     f"{report.entries} entries, {len(report.excluded)} excluded, "
-                     f"{len(report.problems)} problems in {report.seconds:.1f}s")
-        terminal.print_problems(report.problems)
+        terminal.report(f"{node}: {verb} {terminal.count(report.copied_files, 'file')} "
+                        f"({terminal.size(report.copied_bytes)}), {terminal.count(report.entries, 'entry', 'entries')}, "
+                        f"{len(report.excluded)} excluded, {terminal.count(len(report.problems), 'problem')} "
+                        f"in {report.seconds:.1f}s")
+        terminal.print_problems(report.problems, to_stdout=True)
     terminal.exit_with(report.problems)

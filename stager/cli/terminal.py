@@ -1,8 +1,14 @@
-"""Output: JSON on stdout, human text and progress on stderr."""
+"""Output: the result on stdout (the text report, or one JSON object), everything else on stderr.
+
+`| grep`, `| less` and `| jq` read stdout; logs, notes and progress go to stderr, where they never
+mix into a result. A reader that closes the pipe early (`| head -1`) ends the output, not the run:
+the rest is discarded and the command still exits with its own code (see `_write`).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import threading
@@ -13,14 +19,56 @@ import typer
 from stager.errors import EXIT_OK, EXIT_PROBLEMS
 from stager.units import format_size
 
+_json_emitted = False
+
 
 def emit_json(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=False) + "\n")
-    sys.stdout.flush()
+    """The one JSON object of a `--json` run, on stdout."""
+    global _json_emitted
+    _json_emitted = True
+    _write(sys.stdout, json.dumps(obj, sort_keys=False) + "\n")
+
+
+def emitted_json() -> bool:
+    return _json_emitted
+
+
+def report(text: str) -> None:
+    """A line of the result, on stdout."""
+    _write(sys.stdout, text + "\n")
 
 
 def say(text: str) -> None:
-    typer.echo(text, err=True)
+    """A line for the operator that is not the result (a note, a log line, an error), on stderr."""
+    _write(sys.stderr, text + "\n")
+
+
+def close_stdout() -> None:
+    """Flush stdout before exit, so a closed pipe is met here and not in the interpreter's shutdown
+    (which printed "Exception ignored ... BrokenPipeError" and exited 120)."""
+    try:
+        _write(sys.stdout, "")
+    except OSError:  # stdout closed outright (`>&-`): nothing was ever going to be read
+        pass
+
+
+def _write(stream, text: str) -> None:
+    # A closed pipe is the reader saying "enough": the rest of the output goes to /dev/null and
+    # the command carries on to its own exit code. typer exited 1 ("problems found") instead.
+    try:
+        stream.write(text)
+        stream.flush()
+    except BrokenPipeError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, stream.fileno())
+        finally:
+            os.close(null)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """"1 problem", "2 problems", "1 entry", "9 entries"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def exit_with(problems: list) -> None:
@@ -52,9 +100,11 @@ def byte_progress(enabled: bool, desc: str) -> Callable[[int], Callable[[int], N
     return factory
 
 
-def print_problems(problems: list) -> None:
+def print_problems(problems: list, *, to_stdout: bool = False) -> None:
+    """One line per problem: kind, path, detail. Part of the result for commands whose report is
+    text (`to_stdout`); a note beside it for those whose stdout is machine input (binds)."""
     for problem in problems:
-        say(f"  {problem.kind:<16} {printable(problem.path)}: {printable(problem.detail)}")
+        (report if to_stdout else say)(f"  {problem.kind:<16} {printable(problem.path)}: {printable(problem.detail)}")
 
 
 def printable(text: str) -> str:

@@ -8,14 +8,15 @@ import typer
 
 from stager.cli.app import FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, SeedOpt, app
 from stager.cli import terminal
-from stager.errors import BadInput
 
 
 @app.command()
 def verify(
     node: NodeOpt,
     full: FullOpt = False,
-    subset: Annotated[Optional[str], typer.Option("--subset", help="With --full: check bucket N of T (N/T)")] = None,
+    subset: Annotated[Optional[str], typer.Option(
+        "--subset", metavar="N/T", help="Check only bucket N of T of the blobs (a nightly rotating scrub; "
+                                        "structure is still checked for every entry)")] = None,
     jobs: JobsOpt = None,
     json: JsonOpt = False,
     seed: SeedOpt = None,
@@ -23,6 +24,7 @@ def verify(
 ) -> None:
     """Check that every staged file is local, linked correctly, and matches the source."""
     from stager import mirror as core
+    from stager.errors import BadInput
     from stager.manifest import load_manifest
     from stager.verify import Subset
 
@@ -34,15 +36,15 @@ def verify(
     job = core.node_job(loaded, node, None, jobs=jobs or core.default_jobs(), seed=seed)
     report = core.verify(job, full=full, subset=chosen)
     if loaded.engram is not None and loaded.node(node).engram_dir:
-        from stager.engram import verify_engram
+        from stager.engram import verify_engram  # numpy and the shard code, only where shards are
 
         report.merge(verify_engram(loaded, node, full=full, seed=job.seed))
     if json:
         terminal.emit_json(report.to_json())
     else:
-        terminal.say(f"{node}: {report.mode} verify against {report.against}: {report.ok}/{report.checked} ok, "
-                     f"{len(report.problems)} problems")
-        terminal.print_problems(report.problems)
+        terminal.report(f"{node}: {report.mode} verify against {report.against}: {report.ok}/{report.checked} ok, "
+                        f"{terminal.count(len(report.problems), 'problem')}")
+        terminal.print_problems(report.problems, to_stdout=True)
         for command in report.repairs:
-            terminal.say(f"repair: {command}")
+            terminal.report(f"repair: {command}")
     terminal.exit_with(report.problems)
