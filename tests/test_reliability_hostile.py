@@ -147,7 +147,7 @@ def test_json_report_is_strict_json_with_non_utf8_names(hostile):
 def test_human_report_names_every_problem_on_one_line(hostile):
     result, _ = stage(hostile, "mirror")
     assert result.code == 1
-    lines = result.stderr.splitlines()
+    lines = result.stdout.splitlines()  # the report is the result: stdout
     assert len(lines) == 1 + len(EXPECTED_KINDS), "a newline in a name must not split a problem's line"
     for name, kind in EXPECTED_KINDS.items():
         shown = name.encode("unicode_escape").decode()  # newline as \n, byte 0xff as \udcff
