@@ -110,7 +110,7 @@ def test_links_missing_dangling_and_remote_are_named(staged):
                      "model-00002-of-00002.safetensors": "remote"}
     assert (result.json["missing"], result.json["dangling"], result.json["remote"]) == (1, 1, 1)
     repair = run_stage("verify", "--node", "dgx1", "--manifest", staged["manifest"])
-    assert "stage mirror --node dgx1" in repair.stderr  # the output ends with the repair command
+    assert "stage mirror --node dgx1" in repair.stdout  # the report ends with the repair command
 
 
 def test_rotating_scrub_covers_every_blob_once(staged):
