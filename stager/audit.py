@@ -14,6 +14,16 @@ Cheap by design, since it runs every 15 minutes on serving nodes:
 - Engram shards: a shard of the expected size under its expected name is presumed done.
 The estimate can therefore only err low when a right-sized file holds wrong bytes, which the
 mirror's verify would catch and re-copy.
+
+Running next to the writers: the audit only reads, and takes no lock (taking one, even for an
+instant, would make a mirror starting in that instant exit 3 "locked"). A temp file's name and
+mtime are not trusted to say whether it is abandoned: the mirror stamps a copy with the NAS's mtime
+before its rename, so a live copy looks as old as its source. Its writer's lock is checked instead,
+in the kernel's table (/proc/locks). An entry that vanishes between its listing and its lstat was
+renamed or deleted by a writer, and is skipped.
+
+Every line it prints is one line: names from the disk are escaped (terminal.printable), and a `|`
+in the status text, which Nagios would take for the start of the perfdata, is shown as `\\x7c`.
 """
 
 from __future__ import annotations
@@ -24,12 +34,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stager import __version__
 from stager.atomic import atomic_write_bytes, is_temp_name
 from stager.errors import StageError
 from stager.fingerprint import Verdict
 from stager.hub import MAX_HOPS, Problem, repo_dir_name
 from stager.manifest import Manifest, load_manifest
-from stager.mirror import free_bytes, node_job, walk
+from stager.archive import LOCK_NAME as ARCHIVE_LOCK
+from stager.mirror import LOCK_NAME as MIRROR_LOCK
+from stager.mirror import node_job, walk
 from stager.plan import LocalState, final_files, make_plan
 from stager.units import format_size
 
@@ -39,6 +52,17 @@ STALE_SECONDS = 3600  # a temp file older than this has no live writer: copies w
 TOP_RECLAIMABLE = 10
 ORPHAN_KINDS = ("blob", "shared-blob", "shard", "temp")
 REPO_KINDS = ("models", "datasets", "spaces")
+PROC_LOCKS = "/proc/locks"
+# stager.engram.LOCK_NAME, spelled out so that an audit does not import numpy (a third of a second
+# on every run); tests/test_audit_live.py checks that the two agree.
+ENGRAM_LOCK = ".locks/engram.lock"
+
+
+def shown(text: str) -> str:
+    """A name from the disk as a piece of one printed line (see terminal.printable)."""
+    from stager.cli.terminal import printable  # the one escaping rule of every command's output
+
+    return printable(str(text))
 
 
 @dataclass(frozen=True)
@@ -74,14 +98,21 @@ class Filesystem:
         return OK
 
     def why(self) -> str:
+        mount = shown(self.mount)
         if self.status == CRITICAL:
-            return (f"{self.mount}: needs {format_size(self.needed)} + reserve {format_size(self.reserve)}, "
+            return (f"{mount}: needs {format_size(self.needed)} + reserve {format_size(self.reserve)}, "
                     f"free {format_size(self.free)} (short by {format_size(self.needed + self.reserve - self.free)})")
         if self.status == WARNING:
-            return (f"{self.mount}: {format_size(self.remaining)} would remain after staging "
+            return (f"{mount}: {format_size(self.remaining)} would remain after staging "
                     f"{format_size(self.needed)}, less than 2x reserve ({format_size(2 * self.reserve)})")
-        return (f"{self.mount}: {format_size(self.remaining)} would remain after staging "
+        return (f"{mount}: {format_size(self.remaining)} would remain after staging "
                 f"{format_size(self.needed)} (reserve {format_size(self.reserve)})")
+
+    def perfdata(self, label_suffix: str = "") -> str:
+        """Nagios perfdata: free space with the thresholds as ranges (`N:` alerts below N, the
+        plugin guidelines' form for a lower bound), then the bytes still needed."""
+        return (f"'free{label_suffix}'={self.free}B;{self.needed + 2 * self.reserve}:;{self.needed + self.reserve}:;0;"
+                f"{self.total} 'needed{label_suffix}'={self.needed}B;;;0;")
 
     def to_json(self) -> dict:
         return {"mount": self.mount, "paths": list(self.roots), "free_bytes": self.free, "total_bytes": self.total,
@@ -128,18 +159,33 @@ class AuditReport:
 
     @property
     def reason(self) -> str:
+        """One line: names from the disk and the command line are escaped."""
         if self.unknown:
-            return "; ".join(self.unknown)
+            return "; ".join(shown(why) for why in self.unknown)
         worst = [fs for fs in self.filesystems if fs.status == self.status] or self.filesystems
         reason = "; ".join(fs.why() for fs in worst) or "nothing to check"
         top = self.reclaimable
         if self.status != OK and top:
             total = sum(o.bytes for o in self.orphans + self.unlisted)
-            reason += f"; reclaimable {format_size(total)}, largest {top[0].path} ({format_size(top[0].bytes)})"
+            reason += f"; reclaimable {format_size(total)}, largest {shown(top[0].path)} ({format_size(top[0].bytes)})"
         return reason
 
+    @property
+    def succeeded(self) -> bool:
+        """The audit reached an answer; WARNING and CRITICAL are answers, UNKNOWN is not."""
+        return self.status != UNKNOWN
+
+    def perfdata(self) -> str:
+        """One filesystem: 'free' and 'needed'. Several: each label ends with its mount point."""
+        many = len(self.filesystems) > 1
+        return " ".join(fs.perfdata(f" {_perf_label(fs.mount)}" if many else "") for fs in self.filesystems)
+
     def status_line(self) -> str:
-        return f"STAGE {STATUS_NAMES[self.status]}: {self.node}: {self.reason}"
+        """`STAGE <STATUS>: <node>: <reason> | <perfdata>`, a Nagios plugin's first line. The text
+        before the `|` never holds one of its own (a file name's is shown as `\\x7c`)."""
+        text = f"STAGE {STATUS_NAMES[self.status]}: {shown(self.node)}: {self.reason}".replace("|", "\\x7c")
+        perfdata = self.perfdata()
+        return f"{text} | {perfdata}" if perfdata else text
 
     def to_json(self) -> dict:
         return {
@@ -227,11 +273,14 @@ def filesystems(roots: list[str], needs: list[Need], reserve: int) -> list[Files
     found: dict[int, dict] = {}
     for root in roots:
         probe = Path(root)
-        while not probe.exists():
-            probe = probe.parent
-        dev = os.stat(probe).st_dev
-        vfs = os.statvfs(probe)
-        fs = found.setdefault(dev, {"mount": _mount_point(probe, dev), "roots": [], "free": free_bytes(probe),
+        while True:
+            try:
+                dev, vfs = os.stat(probe).st_dev, os.statvfs(probe)
+                break
+            except FileNotFoundError:  # not made yet (or just removed): measured where it will be made
+                probe = probe.parent
+        # Free for an unprivileged writer, as mirror.free_bytes (and shutil.disk_usage) count it.
+        fs = found.setdefault(dev, {"mount": _mount_point(probe, dev), "roots": [], "free": vfs.f_bavail * vfs.f_frsize,
                                     "total": vfs.f_blocks * vfs.f_frsize})
         fs["roots"].append(root)
     return [Filesystem(fs["mount"], tuple(fs["roots"]), fs["free"], fs["total"],
@@ -247,6 +296,15 @@ def _mount_point(path: Path, dev: int) -> str:
 
 
 # ---------------------------------------------------------------- orphans
+
+
+def _lstat(path: str | Path) -> os.stat_result | None:
+    """lstat, or None for an entry gone since it was listed. Mirrors, pack-engram and downloads
+    rename and delete while the audit runs; one such entry used to make the whole audit UNKNOWN."""
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def hub_orphans(hub: Path, wanted: set[str]) -> tuple[list[Orphan], list[Orphan]]:
@@ -266,10 +324,15 @@ def hub_orphans(hub: Path, wanted: set[str]) -> tuple[list[Orphan], list[Orphan]
         for blob in _scandir(os.path.join(repo.path, "blobs")):
             if blob.path in reached or _is_partial(blob.name):
                 continue
-            st = blob.stat(follow_symlinks=False)
+            st = _lstat(blob.path)
+            if st is None:
+                continue
             detail = "no snapshot links to this blob"
             if stat.S_ISLNK(st.st_mode):
-                detail += f" (a link to {os.readlink(blob.path)})"
+                try:
+                    detail += f" (a link to {os.readlink(blob.path)})"
+                except (FileNotFoundError, OSError):
+                    pass  # replaced since the lstat; still a name no snapshot reaches
             orphans.append(Orphan(blob.path, "blob", st.st_size, detail))
     for bucket in _scandir(os.path.join(root, "blobs")):
         if not bucket.is_dir(follow_symlinks=False):
@@ -277,8 +340,10 @@ def hub_orphans(hub: Path, wanted: set[str]) -> tuple[list[Orphan], list[Orphan]
         for payload in _scandir(bucket.path):
             if payload.path in reached or payload.name.endswith(".refs") or _is_partial(payload.name):
                 continue
-            orphans.append(Orphan(payload.path, "shared-blob", payload.stat(follow_symlinks=False).st_size,
-                                  "no repo blob that a snapshot uses links to this shared-store payload"))
+            st = _lstat(payload.path)
+            if st is not None:
+                orphans.append(Orphan(payload.path, "shared-blob", st.st_size,
+                                      "no repo blob that a snapshot uses links to this shared-store payload"))
     unlisted = [Orphan(repo.path, "unlisted-repo", _bytes_under(repo.path), "repo is not in this node's models")
                 for repo in repos if repo.name not in wanted]
     return orphans, unlisted
@@ -314,8 +379,8 @@ def _bytes_under(path: str) -> int:
     total = 0
     for here, _dirs, files in os.walk(path):
         for name in files:
-            st = os.lstat(os.path.join(here, name))
-            if stat.S_ISREG(st.st_mode):
+            st = _lstat(os.path.join(here, name))
+            if st is not None and stat.S_ISREG(st.st_mode):
                 total += st.st_size
     return total
 
@@ -345,25 +410,130 @@ def shard_orphans(engram_dir: Path, manifest: Manifest, specs: list) -> list[Orp
             why = f"layer {layer} is not among the Engram layers staged for {manifest.engram.model} {sorted(layers)}"
         else:
             continue
+        st = _lstat(entry.path)
+        if st is None:
+            continue
         receipt = Path(entry.path).with_suffix(".json")
-        size = entry.stat(follow_symlinks=False).st_size + (_size_of(receipt) or 0)
-        orphans.append(Orphan(entry.path, "shard", size, why))
+        orphans.append(Orphan(entry.path, "shard", st.st_size + (_size_of(receipt) or 0), why))
     return orphans
 
 
-def stale_temps(roots: list[Path], now: float) -> list[Orphan]:
-    """Interrupted writes: this tool's temp files, `*.partial` and huggingface_hub's `*.incomplete`."""
-    orphans = []
-    for root in roots:
+# ---------------------------------------------------------------- live writers
+
+
+@dataclass(frozen=True)
+class LockTable:
+    """Who holds a flock(2), from the kernel's table /proc/locks: (major, minor, inode) -> pid.
+
+    Reading the table takes no lock. Testing a writer's lock by taking it, even for an instant,
+    would make a mirror that starts in that instant refuse with exit 3 ("locked"). Lines look like
+    `1: FLOCK  ADVISORY  WRITE 4242 fe:00:2163045 0 EOF` (device numbers in hex); a waiter's line
+    has `->` before FLOCK and holds nothing. The table lists only holders in the reader's pid
+    namespace, so the audit must run where the writers run (the host, not a container of its own).
+    `readable` is False where there is no table (no /proc, not Linux): nothing can then be said."""
+
+    readable: bool
+    holders: dict[tuple[int, int, int], int]
+
+    @classmethod
+    def read(cls, path: str = PROC_LOCKS) -> "LockTable":
+        try:
+            with open(path, encoding="ascii", errors="replace") as table:
+                text = table.read()
+        except OSError:
+            return cls(False, {})
+        holders = {}
+        for line in text.splitlines():
+            fields = line.split()
+            if len(fields) < 6 or fields[1] != "FLOCK":
+                continue
+            try:
+                major, minor, inode = fields[5].split(":")
+                holders[(int(major, 16), int(minor, 16), int(inode))] = int(fields[4])
+            except ValueError:
+                continue
+        return cls(True, holders)
+
+    def state(self, lock: Path) -> str:
+        """"held", "free", or "unsure" when the table cannot tell."""
+        if not self.readable:
+            return "unsure"
+        try:
+            st = os.lstat(lock)
+        except (FileNotFoundError, NotADirectoryError):
+            return "free"  # never created: no writer has run there
+        except OSError:
+            return "unsure"
+        if not stat.S_ISREG(st.st_mode):
+            return "free"  # lock.writer_lock refuses a lock file that is not a regular file
+        if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in self.holders:
+            return "held"
+        # Same inode, other device: btrfs subvolumes and overlayfs report a device in stat() that
+        # differs from the one in the lock table. It is probably our lock, so the writer may be live.
+        if any(inode == st.st_ino for _major, _minor, inode in self.holders):
+            return "unsure"
+        return "free"
+
+
+def guarding_locks(path: str, hub: str, engram_dir: str | None) -> list[Path]:
+    """The locks whose holder may be writing the temp file `path`: the mirror's for anything under
+    the node hub, pack-engram's under engram_dir, an archive's for a DEST at or above its directory,
+    and huggingface_hub's own download lock for a `blobs/*.incomplete`."""
+    locks = []
+    if _inside(path, hub):
+        locks.append(Path(hub) / MIRROR_LOCK)
+        repo_blobs = os.path.dirname(path)
+        if path.endswith(".incomplete") and os.path.basename(repo_blobs) == "blobs" \
+                and os.path.dirname(os.path.dirname(repo_blobs)) == hub.rstrip("/"):
+            repo = os.path.basename(os.path.dirname(repo_blobs))
+            locks.append(Path(hub) / ".locks" / repo / (os.path.basename(path)[:-len(".incomplete")] + ".lock"))
+    if engram_dir and _inside(path, engram_dir):
+        locks.append(Path(engram_dir) / ENGRAM_LOCK)
+    directory = Path(os.path.dirname(path))
+    locks.extend(d / ARCHIVE_LOCK for d in (directory, *directory.parents))
+    return locks
+
+
+def _inside(path: str, root: str) -> bool:
+    return path.startswith(root.rstrip("/") + "/")
+
+
+def stale_temps(hub: str, engram_dir: str | None, now: float) -> list[Orphan]:
+    """Interrupted writes: this tool's temp files, `*.partial` and huggingface_hub's `*.incomplete`,
+    untouched for STALE_SECONDS, whose writer is gone.
+
+    Gone means: none of the locks that guard the file (guarding_locks) was held when the scan
+    started, nor when it ended, and the file is still there, the same inode, after both. A writer
+    that ran wholly during the scan has renamed or removed its temp files by then. When the lock
+    table cannot tell, the file counts as live: a live copy called "interrupted" invites an `rm`
+    under a running mirror, a missed leftover only waits for the next audit."""
+    hub = os.path.normpath(hub)
+    engram_dir = os.path.normpath(engram_dir) if engram_dir else None
+    before = LockTable.read()
+    candidates: dict[str, tuple[os.stat_result, float]] = {}  # by path: engram_dir may lie in the hub
+    for root in [hub] + ([engram_dir] if engram_dir else []):
         for here, _dirs, files in os.walk(root):
             for name in files:
                 if not _is_partial(name):
                     continue
                 path = os.path.join(here, name)
-                st = os.lstat(path)
-                age = now - st.st_mtime
-                if age > STALE_SECONDS:
-                    orphans.append(Orphan(path, "temp", st.st_size, f"interrupted write, untouched for {age / 3600:.1f} h"))
+                st = _lstat(path)
+                if st is not None and now - st.st_mtime > STALE_SECONDS:
+                    candidates[path] = (st, now - st.st_mtime)
+    after = LockTable.read()
+    states: dict[Path, set[str]] = {}
+    orphans = []
+    for path, (st, age) in sorted(candidates.items()):
+        locks = guarding_locks(path, hub, engram_dir)
+        for lock in locks:
+            if lock not in states:
+                states[lock] = {before.state(lock), after.state(lock)}
+        if any(states[lock] != {"free"} for lock in locks):
+            continue
+        again = _lstat(path)
+        if again is None or (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+            continue
+        orphans.append(Orphan(path, "temp", st.st_size, f"interrupted write, untouched for {age / 3600:.1f} h"))
     return orphans
 
 
@@ -393,7 +563,7 @@ def audit_node(manifest: Manifest, node: str, report: AuditReport) -> None:
         "orphans in the hub", lambda: hub_orphans(Path(config.hub), {repo_dir_name(m) for m in config.models})) or ([], [])
     if config.engram_dir:
         orphans += guarded("orphan shards", lambda: shard_orphans(Path(config.engram_dir), manifest, specs)) or []
-    orphans += guarded("stale temp files", lambda: stale_temps([Path(r) for r in roots], time.time())) or []
+    orphans += guarded("stale temp files", lambda: stale_temps(config.hub, config.engram_dir, time.time())) or []
     report.orphans = sorted(orphans, key=lambda o: (o.kind, o.path))
 
 
@@ -413,7 +583,10 @@ def run_audit(manifest_path: str | None, node: str, prom: str | None = None) -> 
     report.finished_at = time.time()
     if prom:
         try:
-            atomic_write_bytes(Path(prom), prom_text(report).encode())
+            text = prom_text(report, last_success=None if report.succeeded else previous_success(Path(prom), node))
+            # atomic_write_bytes: an O_EXCL|O_NOFOLLOW temp file renamed over the name, so a link
+            # planted at the textfile's name (or at its temp's) is replaced or refused, never followed.
+            atomic_write_bytes(Path(prom), text.encode("utf-8", "backslashreplace"))
             report.prom = str(prom)
         except (OSError, StageError) as exc:
             report.unknown.append(f"cannot write {prom}: {getattr(exc, 'message', None) or exc.strerror or exc}")
@@ -422,17 +595,54 @@ def run_audit(manifest_path: str | None, node: str, prom: str | None = None) -> 
 
 # ---------------------------------------------------------------- node_exporter textfile
 
+# Metric names follow Prometheus's naming guide: base units as suffixes (`_bytes`, `_seconds`,
+# `_timestamp_seconds` for Unix times), `_info` for a constant 1 that carries labels, and `_total`
+# only for counters (the textfile has none: each run replaces it). Checked by
+# tests/test_audit.py with prometheus_client's parser and `promtool check metrics`.
+LAST_SUCCESS = "stage_last_success_timestamp_seconds"
+TEXTFILE_LIMIT = 1 << 20  # our textfile is a few KiB; more is not ours
+
 
 def _labels(**labels: str) -> str:
     def escape(value: str) -> str:
         return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
-    return "{" + ",".join(f'{key}="{escape(str(value))}"' for key, value in labels.items()) + "}"
+    # Values from the disk are shown escaped first: the format needs UTF-8, and a name may not be.
+    return "{" + ",".join(f'{key}="{escape(shown(value))}"' for key, value in labels.items()) + "}"
 
 
-def prom_text(report: AuditReport) -> str:
+def previous_success(prom: Path, node: str) -> float | None:
+    """The last success the textfile already carries, so that an UNKNOWN run keeps it (and the
+    staleness alert keeps counting) instead of dropping the series. The textfile directory may be
+    writable by node_exporter's group: the file is opened without following a link, without
+    blocking on a FIFO, and read only if it is a regular file of a plausible size."""
+    try:
+        fd = os.open(prom, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > TEXTFILE_LIMIT:
+            return None
+        text = os.read(fd, TEXTFILE_LIMIT).decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    prefix = f"{LAST_SUCCESS}{_labels(command='audit', node=node)} "
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            try:
+                return float(line[len(prefix):])
+            except ValueError:
+                return None
+    return None
+
+
+def prom_text(report: AuditReport, last_success: float | None = None) -> str:
     """Gauges in base units. Orphans are summed per kind (a label per file would let a directory
-    of temp files explode the series count); the largest reclaimable items are listed by path."""
+    of temp files explode the series count); the largest reclaimable items are listed by path.
+    `last_success` is carried over from the previous textfile when this run is UNKNOWN."""
     node = report.node
     out: list[str] = []
 
@@ -441,6 +651,13 @@ def prom_text(report: AuditReport) -> str:
         out.append(f"# TYPE {name} gauge")
         out.extend(f"{name}{_labels(**labels)} {value}" for labels, value in samples)
 
+    gauge("stage_build_info", "The stager version that wrote this file; always 1.",
+          [({"node": node, "version": __version__}, 1)])
+    if report.succeeded:
+        last_success = round(report.finished_at, 3)
+    if last_success is not None:
+        gauge(LAST_SUCCESS, "Unix time a command last finished with an answer (audit: OK, WARNING or CRITICAL).",
+              [({"command": "audit", "node": node}, last_success)])
     gauge("stage_audit_ok", "1 when the staging disk-space audit is OK, else 0.",
           [({"node": node}, int(report.status == OK))])
     gauge("stage_audit_status", "Nagios status of the audit: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.",
@@ -467,19 +684,28 @@ def prom_text(report: AuditReport) -> str:
 
 
 def details(report: AuditReport) -> list[str]:
-    """Human-readable lines for stderr; the status line itself goes to stdout."""
+    """Human-readable lines for stderr; the status line itself goes to stdout. One line each:
+    every name from the disk or the manifest is escaped."""
     lines = []
     for fs in report.filesystems:
-        lines.append(f"{fs.mount}: free {format_size(fs.free)} of {format_size(fs.total)}, "
+        lines.append(f"{shown(fs.mount)}: free {format_size(fs.free)} of {format_size(fs.total)}, "
                      f"needs {format_size(fs.needed)}, reserve {format_size(fs.reserve)} "
-                     f"[{STATUS_NAMES[fs.status]}] ({', '.join(fs.roots)})")
+                     f"[{STATUS_NAMES[fs.status]}] ({', '.join(shown(r) for r in fs.roots)})")
     for need in report.needs:
-        lines.append(f"  needs {format_size(need.bytes)} in {need.files} files: {need.model} ({need.kind}, {need.root})")
+        lines.append(f"  needs {format_size(need.bytes)} in {need.files} files: {shown(need.model)} "
+                     f"({need.kind}, {shown(need.root)})")
     for orphan in report.orphans:
-        lines.append(f"  orphan {orphan.kind:<12} {format_size(orphan.bytes):>11}  {orphan.path}: {orphan.detail}")
+        lines.append(f"  orphan {orphan.kind:<12} {format_size(orphan.bytes):>11}  {shown(orphan.path)}: "
+                     f"{shown(orphan.detail)}")
     if report.reclaimable:
         lines.append("largest reclaimable:")
-        lines.extend(f"  {format_size(o.bytes):>11}  {o.path} ({o.kind})" for o in report.reclaimable)
+        lines.extend(f"  {format_size(o.bytes):>11}  {shown(o.path)} ({o.kind})" for o in report.reclaimable)
     for problem in report.problems:
-        lines.append(f"  {problem.kind:<16} {problem.path}: {problem.detail}")
+        lines.append(f"  {problem.kind:<16} {shown(problem.path)}: {shown(problem.detail)}")
     return lines
+
+
+def _perf_label(mount: str) -> str:
+    """A mount point as part of a perfdata label: no `=`, `|` or `'` (the plugin guidelines allow
+    `''` for a quote, which some graphers mishandle), and on one line."""
+    return shown(mount).replace("=", "_").replace("|", "_").replace("'", "_")
