@@ -207,6 +207,8 @@ def _hub_lock(job: NodeJob) -> Iterator[bool]:
         return
     try:
         job.local_hub.mkdir(parents=True, exist_ok=True)
+    except PermissionError:
+        raise  # the CLI names the directory, its owner and the user who needs access
     except OSError as exc:
         raise CannotRun(f"node hub {job.local_hub} cannot be created: {exc.strerror}") from None
     with writer_lock(job.local_hub / LOCK_NAME, f"local hub {job.local_hub}"):
