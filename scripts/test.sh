@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-needed=(rsync rclone sshfs openssh-server b3sum time fuse3 util-linux coreutils jq)
+needed=(rsync rclone sshfs openssh-server b3sum time fuse3 util-linux coreutils jq prometheus)
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
   for pkg in "${needed[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done

@@ -28,6 +28,7 @@ in the status text, which Nagios would take for the start of the perfdata, is sh
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import time
@@ -141,6 +142,7 @@ class AuditReport:
     needs: list[Need] = field(default_factory=list)
     orphans: list[Orphan] = field(default_factory=list)
     unlisted: list[Orphan] = field(default_factory=list)  # reclaimable, but not orphans: whole repos
+    live_temps: list[Orphan] = field(default_factory=list)  # old-looking temp files a writer may still own
     problems: list[Problem] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # why the answer cannot be trusted
     seconds: float = 0.0
@@ -201,6 +203,7 @@ class AuditReport:
                        for n in self.needs],
             "orphans": [o.to_json() for o in self.orphans],
             "orphan_bytes": sum(o.bytes for o in self.orphans),
+            "live_temps": [o.to_json() for o in self.live_temps],
             "reclaimable": [o.to_json() for o in self.reclaimable],
             "reclaimable_bytes": sum(o.bytes for o in self.orphans + self.unlisted),
             "problems": [p.to_json() for p in self.problems],
@@ -428,20 +431,32 @@ class LockTable:
     Reading the table takes no lock. Testing a writer's lock by taking it, even for an instant,
     would make a mirror that starts in that instant refuse with exit 3 ("locked"). Lines look like
     `1: FLOCK  ADVISORY  WRITE 4242 fe:00:2163045 0 EOF` (device numbers in hex); a waiter's line
-    has `->` before FLOCK and holds nothing. The table lists only holders in the reader's pid
-    namespace, so the audit must run where the writers run (the host, not a container of its own).
-    `readable` is False where there is no table (no /proc, not Linux): nothing can then be said."""
+    has `->` before FLOCK and holds nothing.
+
+    The table is trusted only after it shows a lock of our own: a flock on an anonymous memfd
+    (no file is touched) must appear in it, or `readable` is False, as where there is no /proc.
+    An emulated /proc (gVisor, some sandboxes) can list no locks at all, which would otherwise
+    read as "no writer anywhere". The table lists only holders in the reader's pid namespace, so
+    the audit must run where the writers run (on the host, not in a container of its own)."""
 
     readable: bool
     holders: dict[tuple[int, int, int], int]
 
     @classmethod
-    def read(cls, path: str = PROC_LOCKS) -> "LockTable":
+    def read(cls, path: str | None = None) -> "LockTable":
         try:
-            with open(path, encoding="ascii", errors="replace") as table:
+            probe = os.memfd_create("stage-audit-probe", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):
+            return cls(False, {})
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh anonymous file: nobody else can hold it
+            mine = os.fstat(probe)
+            with open(path or PROC_LOCKS, encoding="ascii", errors="replace") as table:
                 text = table.read()
         except OSError:
             return cls(False, {})
+        finally:
+            os.close(probe)
         holders = {}
         for line in text.splitlines():
             fields = line.split()
@@ -452,27 +467,30 @@ class LockTable:
                 holders[(int(major, 16), int(minor, 16), int(inode))] = int(fields[4])
             except ValueError:
                 continue
+        if holders.pop((os.major(mine.st_dev), os.minor(mine.st_dev), mine.st_ino), None) is None:
+            return cls(False, {})
         return cls(True, holders)
 
-    def state(self, lock: Path) -> str:
-        """"held", "free", or "unsure" when the table cannot tell."""
+    def state(self, lock: Path) -> tuple[str, int | None]:
+        """("held", pid), ("free", None), or ("unsure", None) when the table cannot tell."""
         if not self.readable:
-            return "unsure"
+            return "unsure", None
         try:
             st = os.lstat(lock)
         except (FileNotFoundError, NotADirectoryError):
-            return "free"  # never created: no writer has run there
+            return "free", None  # never created: no writer has run there
         except OSError:
-            return "unsure"
+            return "unsure", None
         if not stat.S_ISREG(st.st_mode):
-            return "free"  # lock.writer_lock refuses a lock file that is not a regular file
-        if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in self.holders:
-            return "held"
+            return "free", None  # lock.writer_lock refuses a lock file that is not a regular file
+        pid = self.holders.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
+        if pid is not None:
+            return "held", pid
         # Same inode, other device: btrfs subvolumes and overlayfs report a device in stat() that
         # differs from the one in the lock table. It is probably our lock, so the writer may be live.
         if any(inode == st.st_ino for _major, _minor, inode in self.holders):
-            return "unsure"
-        return "free"
+            return "unsure", None
+        return "free", None
 
 
 def guarding_locks(path: str, hub: str, engram_dir: str | None) -> list[Path]:
@@ -498,15 +516,15 @@ def _inside(path: str, root: str) -> bool:
     return path.startswith(root.rstrip("/") + "/")
 
 
-def stale_temps(hub: str, engram_dir: str | None, now: float) -> list[Orphan]:
-    """Interrupted writes: this tool's temp files, `*.partial` and huggingface_hub's `*.incomplete`,
-    untouched for STALE_SECONDS, whose writer is gone.
+def stale_temps(hub: str, engram_dir: str | None, now: float) -> tuple[list[Orphan], list[Orphan]]:
+    """(interrupted, live): this tool's temp files, `*.partial` and huggingface_hub's `*.incomplete`
+    untouched for STALE_SECONDS, split by whether their writer is gone.
 
     Gone means: none of the locks that guard the file (guarding_locks) was held when the scan
     started, nor when it ended, and the file is still there, the same inode, after both. A writer
     that ran wholly during the scan has renamed or removed its temp files by then. When the lock
     table cannot tell, the file counts as live: a live copy called "interrupted" invites an `rm`
-    under a running mirror, a missed leftover only waits for the next audit."""
+    under a running mirror, while a missed leftover only waits for the next audit."""
     hub = os.path.normpath(hub)
     engram_dir = os.path.normpath(engram_dir) if engram_dir else None
     before = LockTable.read()
@@ -521,20 +539,33 @@ def stale_temps(hub: str, engram_dir: str | None, now: float) -> list[Orphan]:
                 if st is not None and now - st.st_mtime > STALE_SECONDS:
                     candidates[path] = (st, now - st.st_mtime)
     after = LockTable.read()
-    states: dict[Path, set[str]] = {}
-    orphans = []
+    states: dict[Path, str | None] = {}  # lock -> why its writer may be live, None when free
+    interrupted, live = [], []
     for path, (st, age) in sorted(candidates.items()):
         locks = guarding_locks(path, hub, engram_dir)
         for lock in locks:
             if lock not in states:
-                states[lock] = {before.state(lock), after.state(lock)}
-        if any(states[lock] != {"free"} for lock in locks):
-            continue
+                states[lock] = _liveness(lock, before, after)
+        why = next((states[lock] for lock in locks if states[lock]), None)
         again = _lstat(path)
         if again is None or (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
-            continue
-        orphans.append(Orphan(path, "temp", st.st_size, f"interrupted write, untouched for {age / 3600:.1f} h"))
-    return orphans
+            continue  # renamed into place or swept since the scan: it was live
+        if why:
+            live.append(Orphan(path, "temp", st.st_size, why))
+        else:
+            interrupted.append(Orphan(path, "temp", st.st_size, f"interrupted write, untouched for {age / 3600:.1f} h"))
+    return interrupted, live
+
+
+def _liveness(lock: Path, *tables: LockTable) -> str | None:
+    """Why a writer under `lock` may be live (held in either table, or a table that cannot tell)."""
+    for table in tables:
+        state, pid = table.state(lock)
+        if state == "held":
+            return f"being written: pid {pid} holds {lock}"
+    if any(table.state(lock)[0] == "unsure" for table in tables):
+        return f"may be being written: cannot tell from {PROC_LOCKS} whether {lock} is held"
+    return None
 
 
 # ---------------------------------------------------------------- the audit
@@ -563,7 +594,9 @@ def audit_node(manifest: Manifest, node: str, report: AuditReport) -> None:
         "orphans in the hub", lambda: hub_orphans(Path(config.hub), {repo_dir_name(m) for m in config.models})) or ([], [])
     if config.engram_dir:
         orphans += guarded("orphan shards", lambda: shard_orphans(Path(config.engram_dir), manifest, specs)) or []
-    orphans += guarded("stale temp files", lambda: stale_temps(config.hub, config.engram_dir, time.time())) or []
+    temps, report.live_temps = guarded(
+        "stale temp files", lambda: stale_temps(config.hub, config.engram_dir, time.time())) or ([], [])
+    orphans += temps
     report.orphans = sorted(orphans, key=lambda o: (o.kind, o.path))
 
 
@@ -697,6 +730,8 @@ def details(report: AuditReport) -> list[str]:
     for orphan in report.orphans:
         lines.append(f"  orphan {orphan.kind:<12} {format_size(orphan.bytes):>11}  {shown(orphan.path)}: "
                      f"{shown(orphan.detail)}")
+    for temp in report.live_temps:
+        lines.append(f"  live temp    {format_size(temp.bytes):>11}  {shown(temp.path)}: {shown(temp.detail)}")
     if report.reclaimable:
         lines.append("largest reclaimable:")
         lines.extend(f"  {format_size(o.bytes):>11}  {shown(o.path)} ({o.kind})" for o in report.reclaimable)
