@@ -11,6 +11,13 @@ fleet's exit code is the worst node's.
 peer over SFTP (`nodes.X.address`), so the staged set doubles each round and each byte leaves
 the NAS once.  Served nodes still verify against the NAS (see mirror.reference_source).
 
+Who may use the cluster: an unauthenticated Ray cluster runs any code that reaches its port,
+as the user that started it, and here that user writes the node hubs (and is often root).  So
+before it joins, the driver sends the cluster one read-only request carrying no token; the
+cluster must refuse it as unauthenticated (Ray's RAY_AUTH_MODE=token), or the fleet does not run
+(exit 3) unless --allow-unauthenticated-cluster is given.  The driver's own RAY_AUTH_MODE proves
+nothing: a cluster without authentication accepts requests with a token just as well.
+
 Ray is imported only here, and only when a fleet command runs: it is an optional extra.
 """
 
@@ -23,9 +30,11 @@ import signal
 import socket
 import subprocess
 import sys
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from stager.errors import EXIT_CANNOT_RUN, EXIT_OK, BadInput, CannotRun
 from stager.manifest import Manifest
@@ -43,6 +52,11 @@ STATUS = {
     "default": ("ok", "problems", "bad input", "cannot run"),
 }
 PR_SET_PDEATHSIG = 1
+ALLOW_OPEN = "--allow-unauthenticated-cluster"
+TOKEN_REMEDY = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<a copy of the cluster's token file, "
+                "mode 0600> (docs/fleet.md)")
+# What the cluster did with a request (_knock); UNCLEAR covers every other gRPC status.
+ANSWERED, UNAUTHENTICATED, SILENT, UNCLEAR = "answered", "unauthenticated", "silent", "unclear"
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,9 @@ class FleetReport:
     seconds: float
     fan_out: bool
     ray_address: str
+    # "token": the cluster refused a request without one; "disabled": it answered one, and the run
+    # went ahead under --allow-unauthenticated-cluster; "unchecked": the check had no clear answer.
+    cluster_auth: str = "token"
 
     @property
     def exit_code(self) -> int:
@@ -91,7 +108,8 @@ class FleetReport:
 
     def to_json(self) -> dict:
         return {"command": self.command, "exit_code": self.exit_code, "seconds": round(self.seconds, 3),
-                "fan_out": self.fan_out, "ray_address": self.ray_address, "copied_from": self.copied_from,
+                "fan_out": self.fan_out, "ray_address": self.ray_address, "cluster_auth": self.cluster_auth,
+                "copied_from": self.copied_from,
                 "nodes": {run.node: run.to_json() for run in self.runs}}
 
 
@@ -99,16 +117,34 @@ def unreachable(node: str, why: str, source: str | None = None) -> NodeRun:
     return NodeRun(node, EXIT_CANNOT_RUN, "unreachable", source=source, error=why)
 
 
-def node_argv(manifest: Manifest, command: str, node: str, source: str | None = None) -> list[str]:
+def node_argv(manifest: Manifest, command: str, node: str, source: str | None = None,
+              options: tuple[str, ...] = ()) -> list[str]:
     """The node-local command line. The manifest is passed by absolute path: it must be readable
-    at the same path on every node (a shared filesystem, or the same deployment)."""
+    at the same path on every node (a shared filesystem, or the same deployment). `options` are
+    passed on as given (verify: --full, --subset N/T)."""
     argv = [command, "--node", node, "--json", "--manifest", os.path.abspath(manifest.path)]
     rank = manifest.nodes[node].rank
     if command == "pack-engram" and rank is not None:
         argv += ["--rank", str(rank)]
     if source:
         argv += ["--source", source]
-    return argv
+    return argv + list(options)
+
+
+def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:
+    """`--full` and `--subset N/T` for each node's `stage verify`, checked once here so a typo is
+    one exit 2 rather than one per node."""
+    if not full and subset is None:
+        return ()
+    if command != "verify":
+        raise BadInput(f"--full and --subset apply to `stage fleet verify` only, not {command}")
+    from stager.verify import Subset
+
+    try:
+        chosen = Subset.parse(subset) if subset is not None else None
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    return (("--full",) if full else ()) + (("--subset", subset) if chosen else ())
 
 
 def peer_url(manifest: Manifest, node: str) -> str:
@@ -168,7 +204,8 @@ def _parent_death_signal():
 # ---- the driver ----------------------------------------------------------------------------------
 
 def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
-              fan_out: bool) -> FleetReport:
+              fan_out: bool, full: bool = False, subset: str | None = None,
+              allow_unauthenticated: bool = False) -> FleetReport:
     names = list(dict.fromkeys(nodes or manifest.nodes))
     if not names:
         raise BadInput(f"{manifest.path}: nodes: no nodes to run on")
@@ -179,15 +216,17 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     if fan_out and not any(manifest.nodes[name].address for name in names):
         raise BadInput(f"{manifest.path}: --fan-out needs nodes.<name>.address = \"[user@]host[:port]\" "
                        f"on the nodes that serve their peers")
+    options = verify_options(command, full, subset)
     ray = _import_ray()
     started = time.monotonic()
-    address = _connect(ray, min(CONNECT_TIMEOUT, timeout))
+    address, auth = _connect(ray, min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
     try:
-        driver = _Driver(ray, manifest, command, started + timeout, timeout)
+        driver = _Driver(ray, manifest, command, started + timeout, timeout, options)
         runs = driver.fan_out(names) if fan_out else driver.all_at_once(names)
     finally:
         ray.shutdown()
-    return FleetReport(command, tuple(runs[name] for name in names), time.monotonic() - started, fan_out, address)
+    return FleetReport(command, tuple(runs[name] for name in names), time.monotonic() - started, fan_out, address,
+                       auth)
 
 
 def _import_ray():
@@ -198,15 +237,19 @@ def _import_ray():
     return ray
 
 
-def _connect(ray, timeout: float) -> str:
-    """Join the cluster at $RAY_ADDRESS (else the one this host belongs to), within `timeout`.
+def _connect(ray, timeout: float, allow_unauthenticated: bool) -> tuple[str, str]:
+    """Join the cluster at $RAY_ADDRESS (else the one this host belongs to), within `timeout`,
+    once it has shown that it refuses requests without a token. Returns the address and what
+    the authentication check found.
 
     ray.init never gives up on an address that does not answer, so it runs in a daemon
     thread that is abandoned on timeout; the process still exits promptly after the error.
     """
     address = os.environ.get("RAY_ADDRESS") or "auto"
     hint = "start one with `ray start --head` and set RAY_ADDRESS=<head>:6379 (docs/fleet.md)"
+    where = f"RAY_ADDRESS={address}" if address != "auto" else "this host (RAY_ADDRESS is not set)"
     _probe(address, timeout, hint)
+    auth = _require_token(address, where, hint, timeout, allow_unauthenticated)
     outcome: list = []
 
     def init() -> None:
@@ -219,14 +262,13 @@ def _connect(ray, timeout: float) -> str:
     thread = threading.Thread(target=init, name="stage-ray-connect", daemon=True)
     thread.start()
     thread.join(timeout)
-    where = f"RAY_ADDRESS={address}" if address != "auto" else "this host (RAY_ADDRESS is not set)"
     if not outcome:
         raise CannotRun(f"no Ray cluster answered at {where} within {timeout:g}s; {hint}")
     if outcome[0] is not None:
         text = str(outcome[0]).strip()
         reason = text.splitlines()[0].rstrip(".") if text else type(outcome[0]).__name__
         raise CannotRun(f"cannot join a Ray cluster at {where}: {reason}; {hint}")
-    return address
+    return address, auth
 
 
 def _probe(address: str, timeout: float, hint: str) -> None:
@@ -241,6 +283,140 @@ def _probe(address: str, timeout: float, hint: str) -> None:
         raise CannotRun(f"no Ray cluster at RAY_ADDRESS={address}: {exc.strerror or exc}; {hint}") from None
 
 
+# ---- who may use the cluster ---------------------------------------------------------------------
+
+def _require_token(address: str, where: str, hint: str, timeout: float, allow_open: bool) -> str:
+    """Check, before joining, that the cluster refuses a request that carries no token, and that
+    it accepts this driver's token. Returns "token", or under `allow_open` "disabled" (it
+    answered without a token) or "unchecked" (no clear answer).
+
+    Only the port the driver joins through is asked (the GCS, or a Ray Client server). The
+    other nodes are covered by how Ray joins: a node reaches the GCS with the token of its own
+    RAY_AUTH_MODE=token, which also makes it enforce the token on its own ports, and a node
+    started without it cannot join a token cluster at all.
+    """
+    target, client = _control_endpoint(address, where, hint)
+    anonymous, detail = _knock(target, client, None, timeout)
+    if anonymous == SILENT:
+        raise CannotRun(f"no Ray cluster answered at {where} within {timeout:g}s; {hint}")
+    if anonymous == ANSWERED:
+        if allow_open:
+            return "disabled"
+        raise CannotRun(f"the Ray cluster at {where} accepts requests without a token: anyone who reaches its "
+                        f"port runs code as the user that writes the node hubs; restart it with RAY_AUTH_MODE=token "
+                        f"(docs/fleet.md) or pass {ALLOW_OPEN}")
+    if anonymous == UNCLEAR:
+        if allow_open:
+            return "unchecked"
+        raise CannotRun(f"cannot tell whether the Ray cluster at {where} requires a token ({detail}); "
+                        f"pass {ALLOW_OPEN} to run anyway")
+    token, origin = _driver_token(address)
+    if token is None:
+        raise CannotRun(f"the Ray cluster at {where} requires a token and this driver {origin}: {TOKEN_REMEDY}")
+    if _knock(target, client, token, timeout)[0] == UNAUTHENTICATED:
+        raise CannotRun(f"the Ray cluster at {where} refused this driver's token from {origin}: "
+                        f"it is not the cluster's token; {TOKEN_REMEDY}")
+    return "token"
+
+
+def _control_endpoint(address: str, where: str, hint: str) -> tuple[str, bool]:
+    """The host:port ray.init will talk to first, and whether it is a Ray Client server (ray://)."""
+    if address.startswith("ray://"):
+        rest = address[len("ray://"):].split("/", 1)[0]
+        return (rest if rest.rpartition(":")[2].isdigit() else f"{rest}:10001"), True
+    try:  # "auto": the cluster ray.init would join (Ray's own lookup: ray start's record, then pgrep)
+        from ray._private.services import canonicalize_bootstrap_address
+
+        target = canonicalize_bootstrap_address(address)
+    except Exception as exc:  # noqa: BLE001 - ray.init would fail the same way
+        text = str(exc).strip()
+        reason = text.splitlines()[0].rstrip(".") if text else type(exc).__name__
+        raise CannotRun(f"cannot join a Ray cluster at {where}: {reason}; {hint}") from None
+    if not target:
+        raise CannotRun(f"cannot join a Ray cluster at {where}: no running Ray cluster found; {hint}")
+    return target, False
+
+
+def _knock(target: str, client: bool, token: str | None, timeout: float) -> tuple[str, str]:
+    """Send one read-only request (GCS: GetClusterId; Ray Client: a ping), with `token` or none.
+    Returns (ANSWERED | UNAUTHENTICATED | SILENT | UNCLEAR, detail). Ray checks the token before
+    it runs a method, so an answer means the method ran for whoever asked."""
+    import grpc
+
+    if client:
+        from ray.core.generated import ray_client_pb2 as pb, ray_client_pb2_grpc as rpc
+
+        def call(channel, metadata):
+            ping = pb.ClusterInfoRequest(type=pb.ClusterInfoType.PING)
+            return rpc.RayletDriverStub(channel).ClusterInfo(ping, timeout=timeout, metadata=metadata)
+    else:
+        from ray.core.generated import gcs_service_pb2 as pb, gcs_service_pb2_grpc as rpc
+
+        def call(channel, metadata):
+            return rpc.NodeInfoGcsServiceStub(channel).GetClusterId(pb.GetClusterIdRequest(), timeout=timeout,
+                                                                    metadata=metadata)
+
+    metadata = [("authorization", f"Bearer {token}")] if token is not None else None
+    try:
+        with _channel(grpc, target) as channel:
+            call(channel, metadata)
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return UNAUTHENTICATED, ""
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return SILENT, ""
+        return UNCLEAR, f"{target} said {code.name}: {(exc.details() or '').strip() or 'no details'}"
+    except Exception as exc:  # noqa: BLE001 - TLS files unreadable, bad address: no clear answer
+        return UNCLEAR, f"{target}: {exc}"
+    return ANSWERED, ""
+
+
+def _channel(grpc, target: str):
+    """A channel without Ray's token interceptor, with TLS when Ray uses it (RAY_USE_TLS)."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        from ray._common.tls_utils import load_certs_from_env
+
+        chain, key, ca = load_certs_from_env()
+        credentials = grpc.ssl_channel_credentials(certificate_chain=chain, private_key=key, root_certificates=ca)
+        return grpc.secure_channel(target, credentials)
+    return grpc.insecure_channel(target)
+
+
+def _driver_token(address: str) -> tuple[str | None, str]:
+    """The token ray.init will send, and where it comes from; or None and why there is none.
+
+    Ray reads it from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token,
+    and sends it only in token mode (RAY_AUTH_MODE=token; with no RAY_ADDRESS and no
+    RAY_AUTH_MODE, ray.init turns token mode on by itself when it finds a token). A token file
+    other users can read is refused: the token is the cluster's only key.
+    """
+    try:
+        from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
+    except ImportError:
+        return None, "runs a Ray without token authentication (it came with Ray 2.52)"
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if get_authentication_mode() != AuthenticationMode.TOKEN and not (address == "auto" and mode is None):
+        return None, f"sends none (RAY_AUTH_MODE={mode or '<unset>'})"
+    loader = AuthenticationTokenLoader.instance()
+    try:
+        found = loader.has_token(ignore_auth_mode=True)
+    except Exception as exc:  # noqa: BLE001 - AuthenticationError: RAY_AUTH_TOKEN_PATH unreadable or empty
+        return None, f"has none: {str(exc).split('. ')[0].strip()}"
+    if not found:
+        return None, "has none (not in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        origin = "RAY_AUTH_TOKEN"
+    else:
+        path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+        origin = path
+        mode_bits = stat.S_IMODE(os.stat(path).st_mode)
+        if mode_bits & 0o077:
+            raise CannotRun(f"the Ray token file {path} can be read by other users (mode {mode_bits:04o}): "
+                            f"run chmod 600 {path}")
+    return loader.get_raw_token(ignore_auth_mode=True), origin
+
+
 @dataclass
 class _Driver:
     ray: object
@@ -248,6 +424,7 @@ class _Driver:
     command: str
     deadline: float
     timeout: float
+    options: tuple[str, ...] = ()
     running: dict = field(default_factory=dict)  # ObjectRef -> (node, source override)
     runs: dict[str, NodeRun] = field(default_factory=dict)
 
@@ -266,7 +443,7 @@ class _Driver:
         return [name for name in names if name in labelled]
 
     def launch(self, node: str, source: str | None = None) -> None:
-        argv = node_argv(self.manifest, self.command, node, source)
+        argv = node_argv(self.manifest, self.command, node, source, self.options)
         # The node stops its command a little before the deadline, so it can still say "timed out"
         # (alive but slow) rather than be counted as silent.
         budget = max(1.0, self.left() - min(5.0, 0.1 * self.timeout))
@@ -392,5 +569,7 @@ def table(report: FleetReport, problems_per_node: int = 5) -> list[str]:
     copied = report.copied_from
     if copied:
         summary += "; copied " + ", ".join(f"{format_size(n)} from {src}" for src, n in copied.items())
+    if report.cluster_auth != "token":
+        lines.append(f"warning: the Ray cluster's authentication is {report.cluster_auth} ({ALLOW_OPEN})")
     lines.append(f"fleet {report.command}: {summary} in {report.seconds:.1f}s (exit {report.exit_code})")
     return lines
