@@ -20,6 +20,8 @@ import typer
 from stager import hints
 from stager.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN, StageError
 
+_HELP_NAMES = ["-h", "--help"]
+
 app = typer.Typer(
     name="stage",
     help="Stage model weights and Engram row shards onto node-local NVMe, verified.",
@@ -27,7 +29,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts show "[default: ...]" literally
-    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every subcommand
+    context_settings={"help_option_names": _HELP_NAMES},  # inherited by every subcommand
 )
 
 
@@ -110,6 +112,7 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
     try:
         command = typer.main.get_command(app)
         _word_placeholders(command)
+        _plain_conversions(command)
         result = command.main(args=argv, prog_name="stage", standalone_mode=False)
         return (result if isinstance(result, int) else 0), None, None
     except Signalled as exc:
@@ -207,3 +210,54 @@ def _word_placeholders(command) -> None:
             annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
             inner = getattr(annotation, "__args__", (annotation,))[0]  # Optional[int], list[int] -> int
             param.metavar = _TYPE_WORDS.get(inner) or (param.name or "value").upper()
+
+
+# typer (0.2x) converts every option value through a pydantic TypeAdapter that it builds on first
+# use: importing its adapter layer and building one adapter per option cost more than the rest of
+# a warm `stage verify`. Words and whole numbers need no schema; those options get a plain
+# conversion here, with the same range check and an equally short message. Anything else (a
+# choice, a file, a type this table does not know), or another typer, keeps typer's own path.
+def _plain_conversions(command) -> None:
+    try:
+        from typer._coercion import RuntimeParam
+    except ImportError:
+        return
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    @dataclass(frozen=True)
+    class Plain(RuntimeParam):
+        convert: type = str
+
+        def _coerce_value(self, value, param, ctx):
+            if isinstance(value, (list, tuple)):
+                return [self._one(item, param, ctx) for item in value]
+            return self._one(value, param, ctx)
+
+        def _one(self, value, param, ctx):
+            try:
+                converted = self.convert(value)
+            except (TypeError, ValueError):
+                raise typer.BadParameter(f"{value!r} is not a {_KIND[self.convert]}", ctx=ctx, param=param) from None
+            low, high = self.parameter_info.min, self.parameter_info.max
+            if (low is not None and converted < low) or (high is not None and converted > high):
+                bounds = f"{'' if low is None else f'{low}<='}x{'' if high is None else f'<={high}'}"
+                raise typer.BadParameter(f"{value} is not in the range {bounds}", ctx=ctx, param=param)
+            return converted
+
+    help_names = SimpleNamespace(help_option_names=_HELP_NAMES)  # all get_help_option reads of a context
+    for sub in (command, *getattr(command, "commands", {}).values()):
+        for param in (*sub.params, sub.get_help_option(help_names)):  # -h/--help is a typer option too
+            desc = getattr(param, "type_descriptor", None)
+            if desc is None or getattr(param, "_runtime_param", False) is not None:
+                continue
+            annotation = desc.annotation
+            item = getattr(annotation, "__args__", (annotation,))[0] if getattr(annotation, "__origin__", None) is list \
+                else annotation
+            info = desc.parameter_info
+            if item in _KIND and (item is not bool or getattr(param, "is_flag", False)) and not desc.is_choice and not desc.is_file and getattr(info, "parser", None) is None \
+                    and not getattr(info, "click_type", None):
+                param._runtime_param = Plain(parameter_info=info, annotation=annotation, convert=item)
+
+
+_KIND = {str: "word", int: "whole number", float: "number", bool: "flag"}
