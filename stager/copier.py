@@ -49,13 +49,13 @@ def _copy_range(reader: LocalReader, out: AtomicFile, size: int, progress) -> bo
                 return False
             raise
         if got == 0:
-            raise SourceChanged(errno.EIO, f"source ended at {done} of {size} bytes")
+            raise SourceChanged(errno.EIO, f"the source ended at {done} of {size} bytes: it changed while it was copied")
         if size >= WRITEBACK_BYTES:
             _queue_writeback(out.fd, done, got)
         done += got
         progress(got)
     if reader.pread(1, size):
-        raise SourceChanged(errno.EIO, f"source grew beyond {size} bytes during the copy")
+        raise SourceChanged(errno.EIO, f"the source grew beyond {size} bytes: it changed while it was copied")
     return True
 
 
@@ -75,7 +75,7 @@ def _pipeline(reader, out: AtomicFile, size: int, hasher, progress) -> None:
                 want = min(len(buffer), size - done)
                 got = reader.readinto(memoryview(buffer)[:want])
                 if got == 0:
-                    raise SourceChanged(errno.EIO, f"source ended at {done} of {size} bytes")
+                    raise SourceChanged(errno.EIO, f"the source ended at {done} of {size} bytes: it changed while it was copied")
                 filled.put((buffer, got))
                 done += got
             filled.put(None)

@@ -19,7 +19,7 @@ from typing import Callable
 
 from stager import identity, store_modes
 from stager.atomic import SyncBatch, atomic_file, atomic_symlink, atomic_write_bytes, ensure_dir, fsync_dir, sweep_temps
-from stager.copier import copy_into
+from stager.copier import SourceChanged, copy_into
 from stager.errors import CannotRun, StageError
 from stager.fingerprint import Digest, Verdict, judge, new_hasher, sampled_digest
 from stager.hub import SHARED_STORE, Problem
@@ -79,8 +79,9 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
         except StageError:
             raise
         except (_Mismatch, OSError) as exc:
-            if isinstance(exc, _Mismatch):
-                problem = Problem(source.display(copy.source), "mismatch", str(exc))
+            if isinstance(exc, (_Mismatch, SourceChanged)):
+                problem = Problem(source.display(copy.source), "mismatch",
+                                  exc.strerror if isinstance(exc, SourceChanged) else str(exc))
             elif _local_side(exc, local_hub):
                 problem = _local_problem(exc, inside(local_hub, copy.dest))
             else:
@@ -243,7 +244,7 @@ class _Mismatch(Exception):
     pass
 
 
-def _unchanged_during_copy(copy: CopyFile, reader, before: tuple[int, ...], out, seed: int) -> None:
+def _unchanged_during_copy(reader, before: tuple[int, ...], out, seed: int) -> None:
     """Refuse a copy whose source moved under it: a file rewritten in place during the copy was
     staged torn (old head, new tail) and one still growing as a prefix, both under exit 0, where
     the only hash was of the bytes just read. Size, mtime and ctime must not have moved, and a
@@ -290,11 +291,11 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
             else:
                 got = sampled_digest(out, cache.seed)
                 expected = cache.sampled(copy.source)
+            _unchanged_during_copy(reader, before, out, cache.seed)
             if judge(got, expected) is not Verdict.MATCH:
                 raise _Mismatch(
                     f"copied bytes do not match the {copy.reference.origin if full else 'source sample'}"
                     f" ({got.method}: {got.value} != {expected.value})")
-            _unchanged_during_copy(copy, reader, before, out, cache.seed)
             st = os.fstat(out.fd)  # the inode keeps its identity through the rename (now or batched)
         cache.remember_written(dest, got, (st.st_dev, st.st_ino, copy.size, copy.mtime_ns))
         if hasattr(reader, "drop_cache"):

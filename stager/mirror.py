@@ -171,7 +171,8 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, progress_factory: Callabl
                          if job.local_hub.exists() else {}, {})
         return _summarize(report, plan, started)
     with _hub_lock(job) as writable:
-        seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs)
+        seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs,
+                       sources=job.never_write)
         plan = make_plan(snapshots, seen.local, seen.meta_content, str(job.local_hub))
         _summarize(report, plan, started)
         if not writable and plan.writes:

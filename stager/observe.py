@@ -8,6 +8,7 @@ mtime has been seen holding zeros from a preallocated partial copy.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat as stat_module
 import threading
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from stager import identity
 from stager.fingerprint import Digest, Reference, full_digest, judge, sampled_digest
 from stager.hub import SHARED_MARKER, RepoSnapshot, is_shared_payload
 from stager.plan import LocalState, final_files, kept_hops, wanted_links
@@ -108,13 +110,18 @@ class Observation:
 
 
 def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cache: DigestCache,
-            *, full: bool, jobs: int) -> Observation:
+            *, full: bool, jobs: int, sources: tuple[str, ...] = ()) -> Observation:
     local: dict[str, LocalState] = {}
     finals = final_files(snapshots)
+    root = os.path.realpath(local_hub)
+    elsewhere = functools.lru_cache(maxsize=None)(lambda real_dir: _elsewhere(real_dir, root, sources))
 
     def look_at_final(dest: str) -> tuple[str, LocalState]:
         entry, reference = finals[dest]
         state = _lstat(local_hub / dest)
+        if state.kind == "file" and elsewhere(os.path.realpath((local_hub / dest).parent)):
+            # Reached through a directory link or mount into the NAS: the NAS's own file, never kept.
+            return dest, LocalState("remote")
         if state.kind == "file" and state.size == entry.size:
             mine = local_digest(local_hub / dest, reference, cache.seed, full)
             theirs = expected_digest(cache, entry.final, reference, full)
@@ -135,6 +142,12 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
                 state = LocalState("absent")
         local[rel] = state
     return Observation(local, meta_content)
+
+
+def _elsewhere(real_dir: str, root: str, sources: tuple[str, ...]) -> bool:
+    if real_dir != root and not real_dir.startswith(root + "/"):
+        return True
+    return any(identity.inside(real_dir, source) for source in sources)
 
 
 def _identity(path: Path) -> tuple[int, int, int, int] | None:
