@@ -36,7 +36,8 @@ import numpy as np
 from stager import __version__, hints
 from stager.atomic import atomic_file, atomic_write_bytes, ensure_dir, fsync_dir, sweep_temps
 from stager.errors import BadInput, CannotRun
-from stager.hub import Entry, LinkError, Problem, repo_dir_name, resolve_chain, resolve_revision
+from stager.hub import Entry, LinkError, Problem, is_excluded, repo_dir_name, resolve_chain, resolve_revision
+from stager.identity import overlap
 from stager.lock import writer_lock
 from stager.manifest import Manifest
 from stager.mirror import free_bytes
@@ -108,7 +109,7 @@ def shard_name(layer: int, rank: int, world: int) -> str:
 
 def parse_shard_name(name: str) -> tuple[int, int, int] | None:
     """(layer, rank, world) of a shard file name, None for anything else."""
-    match = _SHARD.match(name)
+    match = _SHARD.fullmatch(name)  # fullmatch: `$` would also accept the name followed by a newline
     return (int(match["layer"]), int(match["rank"]), int(match["world"])) if match else None
 
 
@@ -187,6 +188,7 @@ class Checkpoint:
     blobs: dict[str, str | None]  # safetensors file -> its repo blob name (sha256 of an LFS file)
     tables: dict[int, EngramTable]
     config_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)  # config.json's engram_head_rows
+    needs: tuple[str, ...] = ()  # snapshot files the geometry was read from (index, safetensors files)
 
     def open(self, file: str):
         try:
@@ -203,12 +205,17 @@ class _NotStaged(Exception):
     """The snapshot (or a file the geometry needs) is not on this source."""
 
 
+class _Absent(_NotStaged):
+    """A file the index names is not in the snapshot: on a staged copy, not staged yet; on the
+    source itself (`complete=True`), a broken checkpoint."""
+
+
 def _resolve(source: Source, snap_dir: str, name: str, *, required: bool) -> Entry | None:
     rel = f"{snap_dir}/{name}"
     st = source.lstat(rel)
     if st is None:
         if required:
-            raise _NotStaged(f"{source.display(rel)} is not there")
+            raise _Absent(f"{source.display(rel)} is not there")
         return None
     try:
         chain, final = resolve_chain(source, rel)
@@ -225,28 +232,41 @@ def _read_json(source: Source, snap_dir: str, name: str) -> object | None:
     if entry.size > JSON_LIMIT:
         raise BadInput(f"{where}: {entry.size} bytes is too large for a JSON file")
     try:
-        return json.loads(source.read_small(entry.final, entry.size + 1))
+        return json.loads(source.read_small(entry.final, entry.size + 1), object_pairs_hook=_JsonObject)
     except OSError as exc:
         raise _NotStaged(f"{where}: {exc.strerror or exc}") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadInput(f"{where}: not valid JSON: {exc}") from None
 
 
-def _engram_names(source: Source, snap_dir: str) -> dict[str, str]:
-    """tensor name -> safetensors file, for every Engram tensor the checkpoint declares."""
+class _JsonObject(dict):
+    """A JSON object that remembers the keys it held twice (json.loads keeps the last silently)."""
+
+    def __init__(self, pairs: list[tuple[str, object]]):
+        super().__init__(pairs)
+        seen: set[str] = set()
+        self.repeated = [key for key, _ in pairs if key in seen or seen.add(key)]
+
+
+def _engram_names(source: Source, snap_dir: str, exclude: list[str]) -> tuple[dict[str, str], bool]:
+    """(tensor name -> safetensors file for every Engram tensor the checkpoint declares, whether an
+    index declared them)."""
     index = _read_json(source, snap_dir, INDEX_NAME)
+    if index is None and is_excluded(INDEX_NAME, exclude):
+        # Not a single-file checkpoint: an index the mirror was told to leave on the NAS.
+        raise _NotStaged(f"{source.display(f'{snap_dir}/{INDEX_NAME}')} is excluded")
     if index is None:
         # A single-file checkpoint has no index; its header is the listing.
         header = _header(source, snap_dir, SINGLE_FILE)[1]
-        return {name: SINGLE_FILE for name in header.tensors if _TENSOR.match(name)}
+        return {name: SINGLE_FILE for name in header.tensors if _TENSOR.fullmatch(name)}, False
     where = source.display(f"{snap_dir}/{INDEX_NAME}")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise BadInput(f"{where}: weight_map is not an object of tensor name -> file name")
     for name, file in weight_map.items():
-        if _TENSOR.match(name) and (file.startswith("/") or ".." in file.split("/")):
+        if _TENSOR.fullmatch(name) and (file.startswith("/") or ".." in file.split("/")):
             raise BadInput(f"{where}: weight_map.{name}: {file!r} leaves the snapshot")
-    return {name: file for name, file in weight_map.items() if _TENSOR.match(name)}
+    return {name: file for name, file in weight_map.items() if _TENSOR.fullmatch(name)}, True
 
 
 def _header(source: Source, snap_dir: str, file: str) -> tuple[Entry, SafetensorsHeader]:
@@ -263,19 +283,24 @@ def _header(source: Source, snap_dir: str, file: str) -> tuple[Entry, Safetensor
         reader.close()
 
 
-def load_checkpoint(source: Source, repo_id: str, revision: str, origin: str) -> Checkpoint:
-    """Find every Engram table of `repo_id`@`revision` on `source` and validate it. Raises _NotStaged."""
+def load_checkpoint(source: Source, repo_id: str, revision: str, origin: str, *,
+                    complete: bool = False, exclude: list[str] = ()) -> Checkpoint:
+    """Find every Engram table of `repo_id`@`revision` on `source` and validate it. Raises _NotStaged.
+
+    `complete`: `source` is where the checkpoint comes from, not a staged copy of it, so a file
+    the index names and the snapshot lacks is a broken checkpoint (exit 2), not one still to stage.
+    `exclude`: the model's patterns, when `source` is a staged copy that lacks what they match."""
     repo_dir = repo_dir_name(repo_id)
     commit = resolve_revision(source, repo_dir, revision)
     snap_dir = f"{repo_dir}/snapshots/{commit}"
     st = source.lstat(snap_dir) if commit else None
     if st is None or st.kind != "dir":
         raise _NotStaged(f"{repo_id}@{revision} has no snapshot in {origin}")
-    names = _engram_names(source, snap_dir)
+    names, indexed = _engram_names(source, snap_dir, list(exclude))
     layers: dict[int, dict[str, str]] = {}
     prefixes: dict[int, str] = {}
     for name in names:
-        match = _TENSOR.match(name)
+        match = _TENSOR.fullmatch(name)
         layer = int(match["layer"])
         if prefixes.setdefault(layer, match["prefix"]) != match["prefix"]:
             raise BadInput(f"{source.display(snap_dir)}: layer {layer} has Engram tensors under two prefixes "
@@ -297,15 +322,22 @@ def load_checkpoint(source: Source, repo_id: str, revision: str, origin: str) ->
             raise BadInput(f"{source.display(snap_dir)}: {parts['weight']} is in {file} but {parts['scale']} is in "
                            f"{names[parts['scale']]}; both must be in one file")
         if file not in headers:
-            entry, headers[file] = _header(source, snap_dir, file)
+            try:
+                entry, headers[file] = _header(source, snap_dir, file)
+            except _Absent as exc:
+                if not (complete and indexed):
+                    raise
+                raise BadInput(f"{source.display(f'{snap_dir}/{INDEX_NAME}')}: weight_map names {file} for "
+                               f"{parts['weight']}, which the snapshot does not have ({exc})") from None
             finals[file], blobs[file] = entry.final, entry.etag
         tables[layer] = _table(layer, file, headers[file], parts["weight"], parts["scale"])
     config = _read_json(source, snap_dir, "config.json")
     config = config if isinstance(config, dict) else {}
     where = source.display(f"{snap_dir}/config.json")
     _cross_check(where, config, tables)
+    needs = ((INDEX_NAME,) if indexed else ()) + tuple(sorted(finals))
     return Checkpoint(repo_id, commit, origin, source, snap_dir, finals, blobs, tables,
-                      _config_heads(where, config, sorted(tables)))
+                      _config_heads(where, config, sorted(tables)), needs)
 
 
 def _table(layer: int, file: str, header: SafetensorsHeader, weight_name: str, scale_name: str) -> EngramTable:
@@ -327,6 +359,9 @@ def _cross_check(where: str, config: dict, tables: dict[int, EngramTable]) -> No
         return
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise BadInput(f"{where}: engram_layer_ids is not a list of integers: {ids!r}")
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise BadInput(f"{where}: engram_layer_ids lists layer {repeated[0]} more than once")
     if sorted(set(ids)) != sorted(tables):
         raise BadInput(f"{where}: engram_layer_ids {sorted(set(ids))} disagree with the checkpoint's Engram "
                        f"tensors for layers {sorted(tables)}")
@@ -343,33 +378,66 @@ def _config_heads(where: str, config: dict, layers: list[int]) -> dict[int, tupl
     if isinstance(rows, list) and isinstance(config.get("engram_layer_ids"), list) \
             and len(rows) == len(config["engram_layer_ids"]) and all(isinstance(r, list) for r in rows):
         return {layer: tuple(r) for layer, r in zip(config["engram_layer_ids"], rows)}
-    if isinstance(rows, dict) and all(k.isdigit() and isinstance(v, list) for k, v in rows.items()):
-        return {int(k): tuple(v) for k, v in rows.items()}
+    if isinstance(rows, dict) and all(isinstance(v, list) for v in rows.values()):
+        return _heads_by_layer(where, rows)
     raise BadInput(f"{where}: engram_head_rows is neither a list of head sizes, a list of such lists in "
                    f"engram_layer_ids order, nor an object of layer -> list")
 
 
+def _heads_by_layer(where: str, rows: dict) -> dict[int, tuple[int, ...]]:
+    """{"<layer>": [sizes]}: a key must be a layer number, once. "1" and "01" both parse as layer 1;
+    keeping either silently would pack with head sizes the operator may not have meant."""
+    for key in getattr(rows, "repeated", ()):
+        raise BadInput(f"{where}: engram_head_rows.{key}: the key appears twice")
+    heads: dict[int, tuple[int, ...]] = {}
+    spelled: dict[int, str] = {}
+    for key, sizes in rows.items():
+        if not re.fullmatch(r"[0-9]+", key):
+            raise BadInput(f"{where}: engram_head_rows.{key!r}: not a layer number")
+        layer = int(key)
+        if layer in spelled:
+            raise BadInput(f"{where}: engram_head_rows.{key!r}: layer {layer} is also given as {spelled[layer]!r}")
+        spelled[layer], heads[layer] = key, tuple(sizes)
+    return heads
+
+
 def open_checkpoint(manifest: Manifest, node_name: str, *, from_nas: bool) -> Checkpoint:
     """The `[engram].model` geometry, read from the node's staged snapshot; from the NAS only if
-    `from_nas` and the snapshot is not staged (bulk reads over NFS are what packing exists to avoid)."""
+    `from_nas` and the snapshot is not staged (bulk reads over NFS are what packing exists to avoid).
+
+    When the staged snapshot cannot give the geometry, the NAS's is read (headers only, a few KiB)
+    to tell a checkpoint that can never be packed (exit 2: its index names a file the snapshot does
+    not have, or the model's `exclude` keeps a file the geometry needs off this node) from one that
+    is just not staged yet (exit 3)."""
     engram = _engram_config(manifest)
     node = manifest.node(node_name)
-    revision = manifest.models[engram.model].revision
+    model = manifest.models[engram.model]
     local_hub = Path(node.hub)
     try:
         if not local_hub.is_dir():
             raise _NotStaged(f"local hub {local_hub} does not exist")
-        return load_checkpoint(LocalSource(str(local_hub)), engram.model, revision, f"local hub {local_hub}")
+        return load_checkpoint(LocalSource(str(local_hub)), engram.model, model.revision, f"local hub {local_hub}",
+                               exclude=model.exclude)
     except _NotStaged as exc:
-        if not from_nas:
-            raise CannotRun(f"{engram.model} is not staged on {node_name}: {exc} "
-                            f"(run `{hints.command('mirror', '--node', node_name)}` first, or read the NAS: "
-                            f"`{hints.command('pack-engram', '--node', node_name, '--from-nas')}`)") from None
+        not_staged = CannotRun(f"{engram.model} is not staged on {node_name}: {exc} "
+                               f"(run `{hints.command('mirror', '--node', node_name)}` first, or read the NAS: "
+                               f"`{hints.command('pack-engram', '--node', node_name, '--from-nas')}`)")
     url = manifest.source_for(node_name)
     try:
-        return load_checkpoint(open_source(url, manifest.nas.aliases), engram.model, revision, f"NAS {url}")
-    except _NotStaged as exc:
-        raise CannotRun(f"{engram.model} cannot be read from the NAS: {exc}") from None
+        checkpoint = load_checkpoint(open_source(url, manifest.nas.aliases), engram.model, model.revision,
+                                     f"NAS {url}", complete=True)
+    except (_NotStaged, CannotRun) as exc:
+        if from_nas:
+            raise CannotRun(f"{engram.model} cannot be read from the NAS: {exc}") from None
+        raise not_staged from None
+    if from_nas:
+        return checkpoint
+    for name in checkpoint.needs:
+        pattern = next((p for p in model.exclude if is_excluded(name, [p])), None)
+        if pattern is not None:
+            raise BadInput(f'{manifest.path}: models."{engram.model}".exclude: {pattern!r} keeps {name} off the '
+                           f"node, and the Engram geometry is read from it (stop excluding it, or pass --from-nas)")
+    raise not_staged
 
 
 def _engram_config(manifest: Manifest):
@@ -681,6 +749,7 @@ def pack(manifest: Manifest, node_name: str, *, rank: int | None = None, world: 
          progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> PackReport:
     started = time.monotonic()
     _engram, node, _world = _target(manifest, node_name, world, None if rank is None else [rank])
+    refuse_engram_dir_on_nas(manifest, node_name)
     checkpoint = open_checkpoint(manifest, node_name, from_nas=from_nas)
     specs = shard_specs(manifest, node_name, checkpoint, ranks=None if rank is None else [rank], world=world,
                         layers=list(dict.fromkeys(layers)) if layers else None)
@@ -691,21 +760,74 @@ def pack(manifest: Manifest, node_name: str, *, rank: int | None = None, world: 
         sweep_temps(engram_dir)  # a killed pack leaves a hidden temp as large as the shard
         sums = read_sums(engram_dir / SUMS_NAME)
         seed = secrets.randbits(32)
-        plan = [(spec, check_shard(spec, checkpoint, sums, seed=seed)) for spec in specs]
+        plan, restored = _plan(specs, checkpoint, sums, seed)
         todo = [(spec, reason) for spec, reason in plan if reason is not None]
         _preflight(engram_dir, sum(spec.bytes for spec, _ in todo), node.reserve)
         progress = progress_factory(sum(spec.bytes for spec, _ in todo)) if progress_factory and todo else None
-        for spec, reason in plan:
-            if reason is None:
-                report.shards.append(PackedShard(spec, read_receipt(spec)["sha256"], True, "up to date"))
-                continue
-            digest = _pack_shard(spec, checkpoint, progress)
-            atomic_write_bytes(spec.receipt, (json.dumps(receipt_for(spec, checkpoint, digest), indent=2)
-                                              + "\n").encode())
-            update_sums(engram_dir / SUMS_NAME, {spec.path.name: digest})
-            report.shards.append(PackedShard(spec, digest, False, reason))
+        packed: dict[str, str] = dict(restored)
+        try:
+            for spec, reason in plan:
+                if reason is None:
+                    report.shards.append(PackedShard(spec, read_receipt(spec)["sha256"], True, "up to date"))
+                    continue
+                digest = _pack_shard(spec, checkpoint, progress)
+                atomic_write_bytes(spec.receipt, (json.dumps(receipt_for(spec, checkpoint, digest), indent=2)
+                                                  + "\n").encode())
+                packed[spec.path.name] = digest
+                report.shards.append(PackedShard(spec, digest, False, reason))
+        finally:
+            # Once per run, also when a later shard failed: the shards renamed into place so far
+            # are complete and their receipts written, so their lines are true.
+            if packed:
+                update_sums(engram_dir / SUMS_NAME, packed)
     report.seconds = time.monotonic() - started
     return report
+
+
+def _plan(specs: list[ShardSpec], checkpoint: Checkpoint, sums: dict[str, str],
+          seed: int) -> tuple[list[tuple[ShardSpec, str | None]], dict[str, str]]:
+    """(spec, why it needs packing or None) for every shard, and the SHA256SUMS lines to restore.
+
+    SHA256SUMS is written once, at the end of a run, so a run killed after some shards were
+    renamed into place leaves shards and receipts that SHA256SUMS does not list yet. Such a
+    shard is judged by the same rule with its receipt's sha256 standing in for the missing
+    line (the receipt is written only after the shard's rename, from the bytes as written);
+    if it passes, the line is restored instead of repacking the shard."""
+    plan, restored = [], {}
+    for spec in specs:
+        receipt = read_receipt(spec) if spec.path.name not in sums else None
+        digest = receipt.get("sha256") if receipt else None
+        if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest):
+            reason = check_shard(spec, checkpoint, {**sums, spec.path.name: digest}, seed=seed)
+            if reason is None:
+                restored[spec.path.name] = digest
+        else:
+            reason = check_shard(spec, checkpoint, sums, seed=seed)
+        plan.append((spec, reason))
+    return plan, restored
+
+
+def refuse_engram_dir_on_nas(manifest: Manifest, node_name: str) -> None:
+    """Exit 2 if the node's engram_dir is, lies inside or holds the NAS hub, the node's source or
+    an alias target, however spelled.
+
+    Checked here, when the directory is about to be written, by identity (resolved path, inode,
+    bind mounts): the manifest validator compares spellings, and an engram_dir that was a symlink
+    into a NAS repo passed it, after which shards, receipts and SHA256SUMS were written on the NAS."""
+    node = manifest.node(node_name)
+    places = [("the NAS hub", manifest.nas.hub), ("the node's source", node.source)]
+    places += [(f"the target of NAS alias {prefix}", target) for prefix, target in manifest.nas.aliases.items()]
+    for what, place in places:
+        if not place or ("://" in place and not place.startswith("file://")):
+            continue  # a remote hub is not a path on this host
+        place = place.removeprefix("file://")
+        # realpath first: it resolves `link/..` as the kernel does (the link, then its parent),
+        # where a lexical normalisation drops both and names another directory.
+        shown = os.path.realpath(node.engram_dir)
+        if overlap(shown, os.path.realpath(place)):
+            via = f" (resolves to {shown})" if shown != node.engram_dir else ""
+            raise BadInput(f"{manifest.path}: nodes.{node_name}.engram_dir: {node.engram_dir}{via} overlaps {what} "
+                           f"{place}, which this tool never writes")
 
 
 def _preflight(engram_dir: Path, needed: int, reserve: int) -> None:

@@ -7,7 +7,8 @@ relative to the data that starts at 8 + N), plus an optional `__metadata__`.
 Every field is checked before anything is read at an offset the file names: a
 header length of 2**63 must not become a 2**63-byte read, and a tensor whose span
 runs past the end of the file must not become a short read halfway through a
-47 GiB pack.  Any violation is `BadInput` naming the file and the tensor.
+47 GiB pack.  The spans must tile the data as safetensors requires (no overlap, no gap).  Any
+violation is `BadInput` naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -89,7 +90,31 @@ def parse_header(raw: bytes, file: str, file_size: int) -> SafetensorsHeader:
                 raise BadInput(f"{file}: __metadata__ is not an object")
             continue
         tensors[name] = _tensor(name, spec, file, data_start, file_size)
+    _refuse_untiled(tensors, file, data_start, file_size)
     return SafetensorsHeader(file, file_size, data_start, tensors)
+
+
+def _refuse_untiled(tensors: dict[str, TensorInfo], file: str, data_start: int, file_size: int) -> None:
+    """The tensors' spans, in offset order, must tile the data exactly: no overlap, no gap, nothing after.
+
+    safetensors itself refuses any other file (InvalidOffset, MetadataIncompleteBuffer). Two tensors
+    sharing bytes would pack rows that are also another tensor's data, and nothing else would
+    ever notice, because every span on its own is inside the file and of the right size."""
+    end, previous = data_start, None
+    for tensor in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        offsets = [tensor.start - data_start, tensor.end - data_start]
+        if tensor.start < end:
+            raise BadInput(f"{file}: tensor {tensor.name}: data_offsets {offsets} overlap tensor {previous.name}, "
+                           f"which ends at {end - data_start}")
+        if tensor.start > end:
+            after = f"tensor {previous.name} ends" if previous else "the data starts"
+            raise BadInput(f"{file}: tensor {tensor.name}: data_offsets {offsets} leave a gap of "
+                           f"{tensor.start - end} bytes after {after} at {end - data_start}")
+        end, previous = tensor.end, tensor
+    if end != file_size:
+        last = f"the last tensor, {previous.name}, ends" if previous else "there are no tensors"
+        raise BadInput(f"{file}: {file_size - end} bytes after the tensor data ({last} at byte {end} of the "
+                       f"{file_size}-byte file)")
 
 
 def _tensor(name: str, spec: object, file: str, data_start: int, file_size: int) -> TensorInfo:

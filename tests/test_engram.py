@@ -11,8 +11,10 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -25,6 +27,7 @@ import safetensors
 
 from conftest import run_stage, write_manifest
 from hubgen import Hub, add_engram_checkpoint
+from reliability_support import engram_reference
 from stager import mirror as mirror_core
 from stager.engram import expected_shards, partition
 from stager.manifest import load_manifest
@@ -35,20 +38,21 @@ GiB = 1024 ** 3
 
 
 def build(tmp_path: Path, *, layers=(1, 14), rows=None, prefix="model.", world=3, layout=None, heads=None,
-          manifest_heads=None, rank: int | None = None, reserve="0", stage=True, extra_engram="") -> dict:
+          manifest_heads=None, rank: int | None = None, reserve="0", stage=True, extra_engram="",
+          exclude: list[str] | None = None, engram_dir: Path | None = None) -> dict:
     """A NAS with an Engram checkpoint, a manifest for node dgx1, and (stage=True) the model mirrored."""
     rows = rows or {1: 70_001, 14: 9_973}  # layer 1 spans two 64 Ki-row chunks; neither divides by 3
     nas = Hub(tmp_path / "nas" / "hf" / "hub")
     info = add_engram_checkpoint(nas, FLASH, layers=layers, rows=rows, prefix=prefix, heads=heads)
     local = tmp_path / "nvme" / "hf" / "hub"
-    engram_dir = tmp_path / "nvme" / "engram"
-    node = f'engram_dir = "{engram_dir}"\n' + (f"rank = {rank}\n" if rank is not None else "")
+    engram_dir = engram_dir or tmp_path / "nvme" / "engram"
+    node = f"engram_dir = {json.dumps(str(engram_dir))}\n" + (f"rank = {rank}\n" if rank is not None else "")
     table = f'\n[engram]\nmodel = "{FLASH}"\nworld = {world}\n'
     if layout:
         table += f'layout = "{layout}"\n'
     if manifest_heads:
         table += f"engram_head_rows = {json.dumps(manifest_heads)}\n"
-    manifest = write_manifest(tmp_path / "cluster.toml", nas.root, local, {FLASH: {}}, reserve=reserve,
+    manifest = write_manifest(tmp_path / "cluster.toml", nas.root, local, {FLASH: {"exclude": exclude}}, reserve=reserve,
                               extra=node + table + extra_engram)
     if stage:
         job = mirror_core.node_job(load_manifest(manifest), "dgx1", None, jobs=2, seed=1)
@@ -535,3 +539,274 @@ def test_a_linked_shard_is_replaced_by_a_real_file(tmp_path):
     again = pack(env, "--rank", 0)["shards"]
     assert again[0]["reason"] == "not a regular file" and not real.is_symlink()
     assert real.read_bytes() == elsewhere.read_bytes()
+
+
+# ---- the engram_dir is never on the NAS, however it is spelled ----------------------------------
+
+def tree(root: Path) -> dict[str, tuple]:
+    """Every name under `root`, links not followed: a file's sha256, a link's target, a directory."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                found[str(path.relative_to(root))] = ("link", os.readlink(path))
+            elif stat.S_ISDIR(mode):
+                found[str(path.relative_to(root))] = ("dir",)
+            else:
+                found[str(path.relative_to(root))] = ("file", hashlib.sha256(path.read_bytes()).hexdigest())
+    return found
+
+
+NAS_SPELLINGS = ["symlink to a NAS repo", "inside a symlinked NAS repo", "dot-dot through a link",
+                 "relative NAS hub", "alias target", "bind mount of a NAS repo"]
+
+
+@pytest.mark.parametrize("spelling", NAS_SPELLINGS)
+def test_an_engram_dir_on_the_nas_is_refused_before_anything_is_written(tmp_path, spelling):
+    if spelling.startswith("bind") and os.geteuid() != 0:
+        pytest.skip("mount --bind needs root")
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011})
+    repo = env["nas"] / "models--acme--Flash-3bpw"
+    nvme = tmp_path / "nvme"
+    alias = tmp_path / "volume1-shared"
+    alias.mkdir()
+    (alias / "README").write_text("NAS share, mounted here\n")
+    text = env["manifest"].read_text()
+    cwd, mounted = None, None
+    if spelling == "symlink to a NAS repo":
+        os.symlink(repo, nvme / "engram-link")
+        engram_dir = str(nvme / "engram-link")
+    elif spelling == "inside a symlinked NAS repo":
+        os.symlink(repo, nvme / "engram-link")
+        engram_dir = str(nvme / "engram-link" / "engram")
+    elif spelling == "dot-dot through a link":
+        os.symlink(repo / "snapshots", nvme / "hop")
+        engram_dir = f"{nvme}/hop/../engram"  # a string compare sees {nvme}/engram
+    elif spelling == "relative NAS hub":
+        text = text.replace(f'hub = "{env["nas"]}"', f'hub = "{env["nas"].relative_to(tmp_path)}"', 1)
+        engram_dir, cwd = str(env["nas"] / "engram"), tmp_path
+    elif spelling == "alias target":
+        text = text.replace("[nas]\n", f'[nas]\naliases = {{ "/volume1/shared" = "{alias}" }}\n', 1)
+        engram_dir = str(alias / "engram")
+    else:
+        engram_dir = str(env["dir"])
+        env["dir"].mkdir()
+        subprocess.run(["mount", "--bind", str(repo), engram_dir], check=True)
+        mounted = engram_dir
+    env["manifest"].write_text(text.replace(f'engram_dir = "{env["dir"]}"', f'engram_dir = "{engram_dir}"'))
+    before = {"nas": tree(env["nas"]), "alias": tree(alias)}
+    try:
+        result = run_stage("pack-engram", "--node", "dgx1", "--manifest", env["manifest"].resolve(), "--rank", "0",
+                           "--json", cwd=cwd)
+        assert result.code == 2, result.stderr + result.stdout
+        line, = result.stderr.splitlines()
+        assert "nodes.dgx1.engram_dir" in line and engram_dir in line, line
+        assert {"nas": tree(env["nas"]), "alias": tree(alias)} == before
+    finally:
+        if mounted:
+            subprocess.run(["umount", mounted], check=True)
+    assert not [p for p in tmp_path.rglob("*") if re.fullmatch(r"engram-l\d+-r\d+of\d+\.(bin|json)|SHA256SUMS", p.name)]
+
+
+def test_an_engram_dir_through_a_link_to_another_disk_is_used(tmp_path):
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011})
+    (tmp_path / "nvme1").mkdir()
+    os.symlink(tmp_path / "nvme1", tmp_path / "nvme" / "engram")
+    shards = pack(env, "--rank", 0)["shards"]
+    assert {Path(s["path"]).name for s in shards} == {"engram-l1-r0of3.bin", "engram-l14-r0of3.bin"}
+    assert (tmp_path / "nvme1" / "engram-l1-r0of3.bin").is_file()
+
+
+# ---- writes never follow a link ------------------------------------------------------------------
+
+@pytest.mark.parametrize("planted", ["engram-l1-r0of3.bin", "engram-l14-r0of3.json", "SHA256SUMS",
+                                     ".engram-l14-r0of3.bin.stage-0badf00d.tmp"])
+def test_a_link_planted_at_a_name_pack_writes_is_never_written_through(tmp_path, planted):
+    """Run as root: the target of a planted link must keep its bytes. Pack either refuses (exit 3,
+    naming the link) or replaces the link with a real file of the right bytes."""
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011})
+    pack(env, "--rank", 0)
+    victims = tmp_path / "victims"
+    victims.mkdir()
+    victim = victims / "etc-shadow"
+    victim.write_bytes(b"root must not write this\n")
+    (env["dir"] / planted).unlink(missing_ok=True)
+    os.symlink(victim, env["dir"] / planted)
+    before = tree(victims)
+    result = run_stage("pack-engram", "--node", "dgx1", "--manifest", env["manifest"], "--rank", "0", "--json")
+    assert tree(victims) == before
+    if result.code != 0:
+        assert result.code == 3 and f"{env['dir'] / planted} is a symlink" in result.stderr, result.stderr
+        return
+    assert not (env["dir"] / planted).is_symlink()
+    for name in ("engram-l1-r0of3.bin", "engram-l1-r0of3.json", "engram-l14-r0of3.bin", "engram-l14-r0of3.json",
+                 "SHA256SUMS"):
+        assert stat.S_ISREG((env["dir"] / name).lstat().st_mode), name
+    for layer, rows in ((1, 1_003), (14, 2_011)):
+        assert (env["dir"] / f"engram-l{layer}-r0of3.bin").read_bytes() == engram_reference(env["source"], layer, 0,
+                                                                                            rows // 3)
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=env["dir"], capture_output=True, text=True)
+    assert check.returncode == 0 and check.stdout.count(": OK") == 2, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("plant", ["lock file", "lock directory"])
+def test_a_planted_lock_link_is_refused_and_its_target_untouched(tmp_path, plant):
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011})
+    victim = tmp_path / "victims"
+    victim.mkdir()
+    (victim / "engram.lock").write_bytes(b"precious\n")
+    (env["dir"]).mkdir(parents=True)
+    if plant == "lock file":
+        (env["dir"] / ".locks").mkdir()
+        os.symlink(victim / "engram.lock", env["dir"] / ".locks" / "engram.lock")
+    else:
+        os.symlink(victim, env["dir"] / ".locks")
+    before = tree(victim)
+    err = pack(env, "--rank", 0, code=3)["stderr"]
+    assert "symlink" in err and ".locks" in err, err
+    assert tree(victim) == before
+    assert not list(env["dir"].glob("engram-*"))
+
+
+# ---- SHA256SUMS: once per run ---------------------------------------------------------------------
+
+def test_sha256sums_is_rewritten_once_per_run_and_restored_after_a_kill(tmp_path, monkeypatch):
+    from stager import engram
+
+    env = build(tmp_path, rows={1: 70_001, 14: 9_973})
+    renamed: list[str] = []
+    real_replace = os.replace
+
+    def spy(src, dst, *args, **kwargs):
+        renamed.append(os.path.basename(dst))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", spy)
+    report = engram.pack(load_manifest(env["manifest"]), "dgx1")  # every rank: 6 shards
+    assert len(report.shards) == 6 and not any(s.skipped for s in report.shards)
+    assert renamed.count("SHA256SUMS") == 1, renamed
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=env["dir"], capture_output=True, text=True)
+    assert check.returncode == 0 and check.stdout.count(": OK") == 6, check.stdout + check.stderr
+    for shard in report.shards:
+        assert shard.spec.path.read_bytes() == engram_reference(env["source"], shard.spec.layer, shard.spec.lo,
+                                                                 shard.spec.hi)
+    # A run killed after its renames and receipts, before SHA256SUMS: the shards are kept, the lines restored.
+    listed = (env["dir"] / "SHA256SUMS").read_bytes()
+    (env["dir"] / "SHA256SUMS").unlink()
+    stamps = {s.spec.path: stamp(s.spec.path) for s in report.shards}
+    renamed.clear()
+    again = engram.pack(load_manifest(env["manifest"]), "dgx1")
+    assert all(s.skipped for s in again.shards) and {p: stamp(p) for p in stamps} == stamps
+    assert renamed == ["SHA256SUMS"] and (env["dir"] / "SHA256SUMS").read_bytes() == listed
+    renamed.clear()
+    engram.pack(load_manifest(env["manifest"]), "dgx1")
+    assert renamed == []  # nothing to restore, nothing rewritten
+
+
+# ---- input that makes no sense is refused up front -------------------------------------------------
+
+@pytest.mark.parametrize("pattern,named", [("model.safetensors.index.json", "model.safetensors.index.json"),
+                                           ("*.json", "model.safetensors.index.json"),
+                                           ("model-engram.*", "model-engram.safetensors")])
+def test_an_exclude_that_keeps_the_checkpoint_off_the_node_exits_2(tmp_path, pattern, named):
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011}, exclude=[pattern])
+    err = pack(env, "--rank", 0, code=2)["stderr"]
+    line, = err.splitlines()
+    assert f'models."{FLASH}".exclude: {pattern!r} keeps {named} off the node' in line, line
+    assert "not staged" not in line
+    assert not env["dir"].exists()
+    # The NAS copy is readable, so --from-nas packs what the exclude keeps off the node.
+    shards = pack(env, "--rank", 0, "--from-nas")["shards"]
+    assert [parse_shard(Path(s["path"]))[1] for s in shards] == [
+        reference(env["nas"] / env["info"].snapshot.dir.relative_to(env["nas"]) / env["info"].file, "model.", layer)
+        [:rows // 3 * 264] for layer, rows in ((1, 1_003), (14, 2_011))]
+
+
+def rewrite_index(env, weight_map_changes: dict[str, str]) -> None:
+    index_path = env["nas"] / env["info"].snapshot.dir.relative_to(env["nas"]) / "model.safetensors.index.json"
+    target = Path(os.path.realpath(index_path))
+    index = json.loads(target.read_text())
+    index["weight_map"].update(weight_map_changes)
+    os.chmod(target, 0o644)
+    target.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("extra", [[], ["--from-nas"]])
+def test_an_index_naming_a_file_the_snapshot_lacks_exits_2(tmp_path, extra):
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011}, stage=False)
+    rewrite_index(env, {f"model.layers.14.engram.embed.{part}": "model-00002-of-00002.safetensors"
+                        for part in ("weight", "scale")})
+    err = pack(env, "--rank", 0, *extra, code=2)["stderr"]
+    line, = err.splitlines()
+    assert "model.safetensors.index.json: weight_map names model-00002-of-00002.safetensors" in line, line
+    assert "which the snapshot does not have" in line and "not staged" not in line
+    assert not env["dir"].exists()
+
+
+def test_a_name_with_a_newline_stays_on_one_line(tmp_path):
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011}, stage=False)
+    rewrite_index(env, {f"model.layers.14.engram.embed.{part}": "bad\nname.safetensors" for part in ("weight", "scale")})
+    err = pack(env, "--rank", 0, code=2)["stderr"]
+    line, = err.splitlines()
+    assert "weight_map names bad\\nname.safetensors" in line, line
+
+
+def test_pack_output_escapes_control_characters_in_names(tmp_path):
+    engram_dir = tmp_path / "nvme" / "eng\nram\tdir"
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011}, engram_dir=engram_dir)
+    result = run_stage("pack-engram", "--node", "dgx1", "--manifest", env["manifest"], "--rank", "0")
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("packed ") for line in lines[:2]), lines
+    assert "eng\\nram\\tdir/engram-l1-r0of3.bin" in lines[0]
+    assert (engram_dir / "engram-l1-r0of3.bin").read_bytes() == engram_reference(env["source"], 1, 0, 1_003 // 3)
+
+
+def test_overlapping_data_offsets_exit_2_naming_the_tensor(tmp_path):
+    env = build(tmp_path, rows={1: 10, 14: 10})
+    w14 = "model.layers.14.engram.embed.weight"
+    header = engram_header(10, **{w14.replace(".", "__"): {"data_offsets": [0, 2560]}})  # on top of layer 1's weight
+    corrupt(env, with_header(header, 10 * 264 * 2))
+    err = pack(env, "--rank", 0, code=2)["stderr"]
+    line, = err.splitlines()
+    assert f"model-engram.safetensors: tensor {w14}: data_offsets [0, 2560] overlap tensor {W1}" in line, line
+    assert not list(env["dir"].glob("*.bin"))
+
+
+@pytest.mark.parametrize("case", ["gap", "bytes after the data"])
+def test_data_offsets_safetensors_refuses_exit_2(tmp_path, case):
+    env = build(tmp_path, rows={1: 10, 14: 10})
+    header, data = engram_header(10), 10 * 264 * 2
+    s14 = "model.layers.14.engram.embed.scale"
+    if case == "gap":
+        header[s14]["data_offsets"] = [5280, 5360]  # 80 bytes after layer 14's weight ends at 5200
+        data = 5360
+        message = f"tensor {s14}: data_offsets [5280, 5360] leave a gap of 80 bytes after tensor"
+    else:
+        data += 8
+        message = "8 bytes after the tensor data"
+    corrupt(env, with_header(header, data))
+    err = pack(env, "--rank", 0, code=2)["stderr"]
+    line, = err.splitlines()
+    assert message in line and "model-engram.safetensors" in line, line
+    assert not list(env["dir"].glob("*.bin"))
+
+
+@pytest.mark.parametrize("heads,named", [
+    ('{"1": [500, 503], "01": [500, 503], "14": [1000, 1011]}', "engram_head_rows.'01': layer 1 is also given as '1'"),
+    ('{"1": [500, 503], "1": [501, 502], "14": [1000, 1011]}', "engram_head_rows.1: the key appears twice"),
+    ('{"\\u0661": [500, 503], "14": [1000, 1011]}', "engram_head_rows.'\u0661': not a layer number"),
+    ('{"1.0": [500, 503], "14": [1000, 1011]}', "engram_head_rows.'1.0': not a layer number"),
+])
+def test_engram_head_rows_keys_must_be_layer_numbers_once(tmp_path, heads, named):
+    env = build(tmp_path, rows={1: 1_003, 14: 2_011}, layout="heads")
+    config = env["local"] / env["info"].snapshot.dir.relative_to(env["nas"]) / "config.json"
+    target = Path(os.path.realpath(config))
+    os.chmod(target, 0o644)
+    target.write_text('{"engram_layer_ids": [1, 14], "engram_head_rows": ' + heads + "}")
+    err = pack(env, "--rank", 0, code=2)["stderr"]
+    line, = err.splitlines()
+    assert "config.json: " + named in line, line
+    assert not env["dir"].exists()

@@ -8,6 +8,7 @@ import typer
 
 from stager.cli.app import JsonOpt, ManifestOpt, OptionalNodeOpt, app
 from stager.cli import terminal
+from stager.errors import StageError
 
 
 @app.command("pack-engram")
@@ -25,14 +26,21 @@ def pack_engram(
     from stager.manifest import load_manifest
 
     loaded = load_manifest(manifest)
-    name = engram.choose_node(loaded, node)
-    report = engram.pack(loaded, name, rank=rank, world=world, layers=layer, from_nas=from_nas,
-                         progress_factory=terminal.byte_progress(not json, "pack-engram"))
+    try:
+        name = engram.choose_node(loaded, node)
+        report = engram.pack(loaded, name, rank=rank, world=world, layers=layer, from_nas=from_nas,
+                             progress_factory=terminal.byte_progress(not json, "pack-engram"))
+    except StageError as exc:
+        # The message names tensors and files from the checkpoint: a newline in one must not
+        # make the one-line error two lines.
+        raise type(exc)(terminal.printable(exc.message)) from None
     if json:
         terminal.emit_json(report.to_json())
         return
+    show = terminal.printable
     for shard in report.shards:
         verb = "skipped" if shard.skipped else "packed "
-        terminal.say(f"{verb} {shard.spec.path} rows {shard.spec.lo}..{shard.spec.hi} "
-                     f"({terminal.size(shard.spec.bytes)}): {shard.reason}")
-    terminal.say(f"{name}: packed {terminal.size(report.packed_bytes)} from {report.source} in {report.seconds:.1f}s")
+        terminal.report(f"{verb} {show(str(shard.spec.path))} rows {shard.spec.lo}..{shard.spec.hi} "
+                     f"({terminal.size(shard.spec.bytes)}): {show(shard.reason)}")
+    terminal.report(f"{show(name)}: packed {terminal.size(report.packed_bytes)} from {show(report.source)} "
+                 f"in {report.seconds:.1f}s")
