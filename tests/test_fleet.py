@@ -1,15 +1,21 @@
 """`stage fleet` on a real local Ray cluster: three labelled nodes on 127.0.0.1, each with its own
-local hub, driven by the real CLI; peers served by a real sshd on 127.0.0.1."""
+local hub, driven by the real CLI; peers served by a real sshd on 127.0.0.1. The cluster requires
+Ray's token: its head is started with `ray start --head` and RAY_AUTH_MODE=token, as docs/fleet.md
+sets one up."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,29 +36,130 @@ RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABL
 FANOUT_MIB = int(os.environ.get("STAGE_TEST_FANOUT_MIB", "4"))
 
 
+# What a driver needs to use the test cluster; run_without_token() removes these.
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Head:
+    """A head node started by `ray start --head --block` (its pid), and its ports."""
+
+    process: subprocess.Popen
+    address: str
+    client_address: str  # the Ray Client server, ray://
+    dashboard_port: int
+    log: Path
+    token: Path | None = None
+
+
+@contextmanager
+def ray_head(temp_dir: Path, label: str, env: dict[str, str]):
+    """`ray start --head` as docs/fleet.md runs it, on loopback: no dashboard, the node's label.
+    Every port it would take by default (6379, 10001, 52365) is a free one, so it can run next
+    to other clusters on the machine. Stopped by SIGTERM to its own pid, never `ray stop`, which
+    stops every Ray process of the user."""
+    port, client_port, dashboard_port = free_port(), free_port(), free_port()
+    log = temp_dir / f"ray-start-{label}.log"
+    argv = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", str(port),
+            "--node-ip-address", "127.0.0.1", "--include-dashboard=false", "--dashboard-port", str(dashboard_port),
+            "--ray-client-server-port", str(client_port), "--dashboard-agent-listen-port", str(free_port()),
+            "--labels", f"{LABEL}={label}", "--num-cpus", "1", "--object-store-memory", str(150 * MiB),
+            "--min-worker-port", "0", "--max-worker-port", "0", "--temp-dir", str(temp_dir / "ray")]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    head = Head(process, f"127.0.0.1:{port}", f"ray://127.0.0.1:{client_port}", dashboard_port, log)
+    try:
+        yield head
+    finally:
+        process.terminate()  # ray start --block stops the processes it started on SIGTERM
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def live_nodes(address: str) -> list[dict]:
+    """The GCS's node table (what ray.nodes() returns), read by this process, which holds the token."""
+    from ray._private.state import GlobalState
+    from ray._raylet import GcsClientOptions
+
+    state = GlobalState()
+    state._initialize_global_state(GcsClientOptions.create(address, None, allow_cluster_id_nil=True,
+                                                           fetch_cluster_id_if_nil=False))
+    return [node for node in state.node_table() if node["Alive"]]
+
+
+def wait_for_labels(head: Head, labels: set[str], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert head.process.poll() is None, head.log.read_text()[-3000:]
+        try:
+            if labels <= {node["Labels"].get(LABEL) for node in live_nodes(head.address)}:
+                return
+        except Exception:  # noqa: BLE001 - the GCS is not up yet
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"Ray nodes {labels} not up within {timeout}s: {head.log.read_text()[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def cluster(sshd):
-    """One head and two workers, labelled stage-node=dgx1..dgx3. The environment (loopback, the
-    test's SSH keys) is set before the raylets start, so their workers inherit it."""
+    """A head labelled stage-node=dgx1 started by `ray start --head` with RAY_AUTH_MODE=token and a
+    0600 token file, and two more nodes labelled dgx2 and dgx3 joined with the same token. The
+    environment (loopback, the token, the test's SSH keys) is set before Ray starts, so its
+    workers and this process's drivers inherit it."""
+    # Ray's session files go to a directory of this run, short enough for its unix sockets.
+    temp_dir = Path(tempfile.mkdtemp(prefix="stage-ray-", dir="/tmp"))
+    token = temp_dir / "auth_token"
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, secrets.token_hex(32).encode())
+    os.close(fd)
     with pytest.MonkeyPatch.context() as env:
-        for key, value in {**RAY_LOOPBACK, **sshd.env}.items():
+        for key, value in {**RAY_LOOPBACK, **sshd.env, "RAY_AUTH_MODE": "token",
+                           "RAY_AUTH_TOKEN_PATH": str(token)}.items():
             env.setenv(key, value)
-        # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported.
-        from ray.cluster_utils import Cluster
-
-        # Ray's session files go to a directory of this run, short enough for its unix sockets.
-        temp_dir = tempfile.mkdtemp(prefix="stage-ray-", dir="/tmp")
-        ray_cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "labels": {LABEL: NODES[0]}, "include_dashboard": False, "temp_dir": temp_dir})
+        env.delenv("RAY_AUTH_TOKEN", raising=False)
         try:
-            for name in NODES[1:]:
-                ray_cluster.add_node(num_cpus=1, labels={LABEL: name}, temp_dir=temp_dir)
-            ray_cluster.wait_for_nodes()
-            env.setenv("RAY_ADDRESS", ray_cluster.address)
-            yield ray_cluster
+            with ray_head(temp_dir, NODES[0], dict(os.environ)) as head:
+                head.token = token
+                wait_for_labels(head, {NODES[0]})
+                with joined_nodes(head, NODES[1:], temp_dir):
+                    wait_for_labels(head, set(NODES))
+                    env.setenv("RAY_ADDRESS", head.address)
+                    yield head
         finally:
-            ray_cluster.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def joined_nodes(head: Head, names: tuple[str, ...], temp_dir: Path):
+    """More nodes for the head's cluster, started the way `ray start --address` starts them:
+    `ray start --address` itself refuses to add a node while Ray is kept on loopback
+    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), and without that every Ray port listens on all
+    interfaces. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER and RAY_AUTH_MODE when it is imported,
+    so this process's environment must be set first."""
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+
+    nodes = []
+    try:
+        for name in names:
+            params = RayParams(gcs_address=head.address, node_ip_address="127.0.0.1", num_cpus=1,
+                               labels={LABEL: name}, temp_dir=str(temp_dir / "ray"), object_store_memory=150 * MiB,
+                               min_worker_port=0, max_worker_port=0, include_log_monitor=False, node_manager_port=0)
+            # spawn_reaper: the node's processes die with this one even if it is killed.
+            nodes.append(Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True))
+        yield nodes
+    finally:
+        for node in nodes:
+            node.kill_all_processes(check_alive=False, allow_graceful=True)
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +329,8 @@ def test_fan_out_reads_each_byte_from_the_nas_once(staged, nas, sshd, tmp_path):
     print(f"\nNAS bytes read staging 3 nodes of {data} bytes: {plain_bytes} without fan-out, {fan_bytes} with it")
 
 
-def listening_addresses(root_pid: int) -> set[str]:
-    """Local addresses of the listening TCP sockets held by root_pid's descendants (from /proc)."""
+def descendants(root_pid: int) -> set[int]:
+    """root_pid's descendants (from /proc), not root_pid itself."""
     parents = {}
     for entry in os.listdir("/proc"):
         try:
@@ -235,27 +342,171 @@ def listening_addresses(root_pid: int) -> set[str]:
     while frontier:
         family |= frontier
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - family
+    return family - {root_pid}
+
+
+def listening_addresses(root_pid: int) -> dict[str, str]:
+    """Local address:port (hex, as /proc/net/tcp* writes them) -> IP of each listening TCP socket
+    held by root_pid's descendants."""
     inodes = set()
-    for pid in family - {root_pid}:
+    for pid in descendants(root_pid):
         try:
             links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
         except OSError:
             continue
         inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
-    found = set()
+    found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                found.add(fields[1].split(":")[0])
+                found[fields[1]] = fields[1].split(":")[0]
     return found
 
 
 def test_the_cluster_listens_on_loopback_only(cluster):
     """RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every Ray process on 127.0.0.1."""
     loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
-    addresses = listening_addresses(os.getpid())
+    addresses = set(listening_addresses(os.getpid()).values())
     assert addresses and addresses <= loopback, addresses
+
+
+def test_the_dashboard_is_off(cluster):
+    """--include-dashboard=false: the dashboard's web server is not started, and nothing listens on
+    its port. Ray still runs the dashboard process for usage statistics, without a frontend, and
+    each node's agent; both on loopback, and both require the token."""
+    commands = []
+    for pid in descendants(os.getpid()):
+        try:
+            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"))
+        except OSError:
+            continue
+    assert any(command[0].endswith("gcs_server") for command in commands)  # the head's processes are in view
+    dashboards = [command for command in commands if any(arg.endswith("dashboard/dashboard.py") for arg in command)]
+    assert all("--disable-frontend" in command and "--host=127.0.0.1" in command for command in dashboards), dashboards
+    ports = {int(local.split(":")[1], 16) for local in listening_addresses(os.getpid())}
+    assert ports and cluster.dashboard_port not in ports
+
+
+# ---- who may use the cluster ----------------------------------------------------------------------
+
+TOKEN_REMEDY = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<a copy of the cluster's token file, "
+                "mode 0600> (docs/fleet.md)")
+DRIVER = """
+import logging, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level=logging.ERROR)
+task = ray.remote(num_cpus=0)(lambda: "ran on the cluster")
+print(ray.get(task.options(label_selector={"stage-node": "dgx2"}).remote(), timeout=60))
+"""
+
+
+def environment_without_token(**extra: str) -> dict[str, str]:
+    return {**{key: value for key, value in os.environ.items() if key not in AUTH_VARS}, **extra}
+
+
+def run_driver(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A plain Ray driver: join the cluster and run one task on dgx2."""
+    return subprocess.run([sys.executable, "-c", DRIVER, os.environ["RAY_ADDRESS"]], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_driver_without_the_clusters_token_can_neither_join_nor_run_a_task(cluster):
+    # Ray retries a refused join for 20 s by default; two attempts show the same refusal.
+    quick = {"RAY_gcs_server_port_wait_time_s": "2"}
+    for env in (environment_without_token(**quick),
+                environment_without_token(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64, **quick)):
+        refused = run_driver(env)
+        assert refused.returncode != 0 and "ran on the cluster" not in refused.stdout
+        assert "Unauthenticated" in refused.stderr and "Failed to connect" in refused.stderr, refused.stderr[-3000:]
+    admitted = run_driver(dict(os.environ))
+    assert admitted.returncode == 0 and admitted.stdout.strip() == "ran on the cluster", admitted.stderr[-3000:]
+
+
+def test_every_node_refuses_a_request_without_the_token(cluster):
+    """What `stage fleet` relies on when it asks the head only: each node enforces the token too."""
+    import grpc
+    from ray.core.generated import node_manager_pb2 as pb, node_manager_pb2_grpc as rpc
+
+    nodes = live_nodes(cluster.address)
+    assert sorted(node["Labels"][LABEL] for node in nodes) == list(NODES)
+    bearer = [("authorization", f"Bearer {cluster.token.read_text()}")]
+    for node in nodes:
+        with grpc.insecure_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}") as channel:
+            raylet = rpc.NodeManagerServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                raylet.GetSystemConfig(pb.GetSystemConfigRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert raylet.GetSystemConfig(pb.GetSystemConfigRequest(), timeout=10, metadata=bearer).system_config
+
+
+def test_fleet_without_the_clusters_token_exits_3_at_once_naming_the_remedy(cluster, nas, sshd, tmp_path):
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd)
+    at = f"the Ray cluster at RAY_ADDRESS={cluster.address}"
+    loose = tmp_path / "readable_token"
+    loose.write_text(cluster.token.read_text())
+    loose.chmod(0o644)
+    cases = [
+        ({}, f"{at} requires a token and this driver sends none (RAY_AUTH_MODE=<unset>): {TOKEN_REMEDY}"),
+        ({"RAY_AUTH_MODE": "token", "HOME": str(tmp_path)},
+         f"{at} requires a token and this driver has none (not in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+         f"~/.ray/auth_token): {TOKEN_REMEDY}"),
+        ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+         f"{at} refused this driver's token from RAY_AUTH_TOKEN: it is not the cluster's token; {TOKEN_REMEDY}"),
+        ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(loose)},
+         f"the Ray token file {loose} can be read by other users (mode 0644): run chmod 600 {loose}"),
+        ({"RAY_ADDRESS": cluster.client_address},  # through the Ray Client server
+         f"the Ray cluster at RAY_ADDRESS={cluster.client_address} requires a token and this driver sends none "
+         f"(RAY_AUTH_MODE=<unset>): {TOKEN_REMEDY}"),
+    ]
+    for extra, message in cases:
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "stager", "fleet", "verify", "--manifest", str(manifest)],
+                              env=environment_without_token(**extra), capture_output=True, text=True, timeout=60)
+        # Refused before ray.init, which would retry the refused join for 20 s.
+        assert proc.returncode == 3 and time.monotonic() - started < 15, (extra, proc.stderr)
+        assert proc.stderr.strip().splitlines() == [f"stage: error: {message}"], proc.stderr
+
+
+def test_a_cluster_without_authentication_is_refused_unless_allowed(cluster, staged):
+    """A second head, started without RAY_AUTH_MODE=token: it answers anyone."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="stage-ray-", dir="/tmp"))
+    try:
+        with ray_head(temp_dir, NODES[0], environment_without_token(RAY_AUTH_MODE="disabled")) as head:
+            wait_for_labels(head, {NODES[0]})
+            args = ("fleet", "verify", "--nodes", NODES[0], "--timeout", "120", "--manifest", staged["manifest"])
+            started = time.monotonic()
+            refused = run_stage(*args, env={"RAY_ADDRESS": head.address})
+            assert refused.code == 3 and time.monotonic() - started < 15, refused.stderr
+            assert refused.stderr.strip().splitlines() == [
+                f"stage: error: the Ray cluster at RAY_ADDRESS={head.address} accepts requests without a token: "
+                "anyone who reaches its port runs code as the user that writes the node hubs; restart it with "
+                "RAY_AUTH_MODE=token (docs/fleet.md) or pass --allow-unauthenticated-cluster"]
+            allowed = run_stage(*args, "--json", "--allow-unauthenticated-cluster", env={"RAY_ADDRESS": head.address})
+            assert allowed.code == 0, allowed.stderr
+            assert allowed.json["cluster_auth"] == "disabled" and allowed.json["nodes"][NODES[0]]["status"] == "ok"
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_the_table_warns_when_the_cluster_is_unauthenticated():
+    from stager.fleet import FleetReport, NodeRun, table
+
+    run = NodeRun("dgx1", 0, "ok", seconds=1.0, problems=0)
+    lines = table(FleetReport("verify", (run,), 2.0, False, "dgx1:6379", cluster_auth="disabled"))
+    assert lines[-2:] == ["warning: the Ray cluster's authentication is disabled (--allow-unauthenticated-cluster)",
+                          "fleet verify: 1 ok in 2.0s (exit 0)"]
+    assert FleetReport("verify", (run,), 2.0, False, "dgx1:6379").to_json()["cluster_auth"] == "token"
+    assert len(table(FleetReport("verify", (run,), 2.0, False, "dgx1:6379"))) == 3
+
+
+def test_fleet_verify_passes_full_and_subset_to_every_node(staged):
+    result, _ = fleet("verify", "--full", "--subset", "1/2", "--json", "--timeout", "120",
+                      "--manifest", staged["manifest"])
+    assert result.code == 0, result.stderr
+    for name in NODES:
+        report = result.json["nodes"][name]["report"]
+        assert (report["mode"], report["subset"], report["seed"]) == ("full", "1/2", None), name
+        assert report["problems"] == [] and report["checked"] > 0
 
 
 def test_each_node_runs_the_node_local_command_with_its_own_rank(nas, sshd, tmp_path):
@@ -268,6 +519,8 @@ def test_each_node_runs_the_node_local_command_with_its_own_rank(nas, sshd, tmp_
         "pack-engram", "--node", "dgx3", "--json", "--manifest", path, "--rank", "2"]
     assert node_argv(manifest, "audit", "dgx3") == ["audit", "--node", "dgx3", "--json", "--manifest", path]
     assert node_argv(manifest, "mirror", "dgx2", "sftp://peer/hub")[-2:] == ["--source", "sftp://peer/hub"]
+    assert node_argv(manifest, "verify", "dgx1", None, ("--subset", "0/3")) == [
+        "verify", "--node", "dgx1", "--json", "--manifest", path, "--subset", "0/3"]
 
 
 def test_misuse_is_bad_input(nas, sshd, tmp_path):
@@ -276,6 +529,10 @@ def test_misuse_is_bad_input(nas, sshd, tmp_path):
     assert result.code == 2 and "--fan-out applies to `stage fleet mirror` only" in result.stderr
     result, _ = fleet("verify", "--nodes", "dgx1,nope", "--manifest", manifest)
     assert result.code == 2 and "nodes.nope: no such node" in result.stderr
+    result, _ = fleet("mirror", "--full", "--manifest", manifest)
+    assert result.code == 2 and "--full and --subset apply to `stage fleet verify` only, not mirror" in result.stderr
+    result, _ = fleet("verify", "--subset", "3", "--manifest", manifest)
+    assert result.code == 2 and "--subset expects N/T such as 3/7, got '3'" in result.stderr
 
 
 def test_no_cluster_at_ray_address_exits_3_without_hanging(nas, sshd, tmp_path):
