@@ -205,7 +205,12 @@ _TYPE_WORDS = {int: "N", float: "N"}
 def _word_placeholders(command) -> None:
     for sub in getattr(command, "commands", {}).values():
         for param in sub.params:
-            if param.param_type_name != "option" or param.metavar is not None or getattr(param, "is_flag", False):
+            if param.param_type_name == "argument":
+                param.metavar = param.metavar or (param.name or "value").upper()
+                if not getattr(getattr(param, "type_descriptor", None), "is_choice", False):
+                    param.display_type_rich = lambda ctx: None  # "SRC... DEST", not "SRC... DEST <list[str]>"
+                continue
+            if param.metavar is not None or getattr(param, "is_flag", False):
                 continue
             annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
             inner = getattr(annotation, "__args__", (annotation,))[0]  # Optional[int], list[int] -> int

@@ -1,0 +1,560 @@
+"""The operator contract of `stage`, exercised the way an operator's shell does: the installed entry
+point as a subprocess, the README's own command lines, real pipes closed early, real signals in the
+middle of real copies, another user, a read-only mount, a systemd unit and a container launch
+with a stand-in `docker` that records its arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import write_manifest
+from hubgen import Hub, add_engram_checkpoint, streamed_safetensors
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STAGE = [str(BIN / "stage")] if (BIN / "stage").exists() else [sys.executable, "-m", "stager"]
+TEMP = re.compile(r"\.stage-[0-9a-f]{8}\.tmp$")  # atomic.py's temp names
+MiB = 1024 * 1024
+
+
+def stage(*args, cwd=None, env=None, timeout=300, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([*STAGE, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env={**_clean_env(), **(env or {})}, **kwargs)
+
+
+def _clean_env() -> dict:
+    env = dict(os.environ)
+    env.pop("STAGE_MANIFEST", None)
+    return env
+
+
+def shell(script: str, cwd, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """Run `script` in bash with the installed `stage` first on PATH, as an operator's shell has it."""
+    path = f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env={**_clean_env(), "PATH": path, **(env or {})})
+
+
+def temp_files(root: Path) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if TEMP.search(n)]
+
+
+def make_demo(where: Path) -> Path:
+    """scripts/make_demo_nas.py as the README runs it, in `where`; returns the manifest path."""
+    shutil.copytree(REPO / "scripts", where / "scripts")
+    subprocess.run([sys.executable, "scripts/make_demo_nas.py", "demo"], cwd=where, check=True,
+                   capture_output=True)
+    return where / "demo" / "cluster.toml"
+
+
+def sh_blocks(markdown: str) -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", markdown, flags=re.S)
+
+
+# ---- 1. the README path ------------------------------------------------------------------------
+
+def test_readme_path_is_green_end_to_end(tmp_path):
+    """The README's main job, then every demo command it shows next, verbatim: each exits 0."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "scripts", checkout / "scripts")
+    (checkout / ".venv").symlink_to(BIN.parent)  # the venv the README's first two commands create
+    blocks = [b for b in sh_blocks((REPO / "README.md").read_text()) if "demo" in b or "STAGE_MANIFEST" in b]
+    main_job, *next_steps = blocks
+    # The venv and the install exist already: run the rest of the main job's line as written.
+    steps = [part.strip() for part in main_job.strip().split("&&")]
+    steps = [s for s in steps if not s.startswith("python3 -m venv") and "pip install" not in s]
+    assert steps == [".venv/bin/python scripts/make_demo_nas.py demo",
+                     ".venv/bin/stage mirror --node dgx1 --manifest demo/cluster.toml"]
+    lines = steps + [line for block in next_steps for line in block.splitlines() if line.strip()]
+    assert any(re.match(r"stage verify --node dgx1\b", line) for line in lines), "the README shows verify next"
+    script = "\n".join(f'{line}\necho "::rc $? :: {line.split("#")[0].strip()}" >&2' for line in lines)
+    result = shell(script, cwd=checkout)
+    codes = re.findall(r"^::rc (\d+) :: (.*)$", result.stderr, flags=re.M)
+    assert len(codes) == len(lines), result.stderr
+    failed = [(cmd, code) for code, cmd in codes if code != "0"]
+    assert not failed, f"{failed}\n{result.stderr}"
+    # And what an operator types without reading further: verify the node the main job staged.
+    assert stage("verify", "--node", "dgx1", "--manifest", "demo/cluster.toml", cwd=checkout).returncode == 0
+
+
+# ---- 2. repair hints are commands that run ----------------------------------------------------------
+
+def printed_commands(text: str) -> list[str]:
+    """Every command the tool told the operator to run: `repair: CMD` lines and `stage ...` in backticks."""
+    found = re.findall(r"^repair: (stage .*)$", text, flags=re.M) + re.findall(r"`(stage [^`]+)`", text)
+    return list(dict.fromkeys(found))
+
+
+def run_hints(text: str, cwd: Path) -> list[str]:
+    commands = printed_commands(text)
+    for command in commands:
+        result = shell(command, cwd=cwd)
+        assert result.returncode == 0, f"the printed hint `{command}` exited {result.returncode}: {result.stderr}"
+    return commands
+
+
+def test_printed_repairs_run_and_repair(tmp_path):
+    manifest = make_demo(tmp_path)
+    rel = "demo/cluster.toml"
+    assert stage("mirror", "--node", "dgx1", "--manifest", rel, cwd=tmp_path).returncode == 0
+    staged = tmp_path / "demo" / "nvme" / "hf" / "hub"
+    victim = next(staged.glob("models--acme--Flash-drafter/snapshots/*/model.safetensors"))
+    os.unlink(os.path.realpath(victim))
+    broken = stage("verify", "--node", "dgx1", "--manifest", rel, cwd=tmp_path)
+    assert broken.returncode == 1
+    assert run_hints(broken.stdout, tmp_path) == [f"stage mirror --node dgx1 --manifest {rel}"]
+    assert stage("verify", "--node", "dgx1", "--manifest", rel, cwd=tmp_path).returncode == 0
+
+    # dgx2 has Engram shards configured. Before its mirror, verify says how to get the checkpoint;
+    # every command it names (mirror, or pack-engram from the NAS) runs as printed.
+    unstaged = stage("verify", "--node", "dgx2", "--manifest", rel, cwd=tmp_path)
+    assert unstaged.returncode == 1
+    hints = run_hints(unstaged.stdout, tmp_path)
+    assert f"stage mirror --node dgx2 --manifest {rel}" in hints
+    assert f"stage pack-engram --node dgx2 --from-nas --manifest {rel}" in hints
+    assert all("--manifest" in h for h in hints)
+    (tmp_path / "demo" / "nvme-dgx2" / "engram").joinpath("engram-l1-r0of3.bin").unlink()
+    missing = stage("verify", "--node", "dgx2", "--manifest", rel, cwd=tmp_path)
+    assert missing.returncode == 1
+    assert run_hints(missing.stdout, tmp_path) == [f"stage pack-engram --node dgx2 --rank 0 --manifest {rel}"]
+    assert stage("verify", "--node", "dgx2", "--manifest", rel, cwd=tmp_path).returncode == 0
+
+    # A manifest given as $STAGE_MANIFEST is named in the hint too, so the hint runs without it.
+    os.unlink(os.path.realpath(victim))
+    from_env = stage("verify", "--node", "dgx1", cwd=tmp_path, env={"STAGE_MANIFEST": str(manifest)})
+    assert run_hints(from_env.stdout, tmp_path) == [f"stage mirror --node dgx1 --manifest {manifest}"]
+
+
+# ---- 3. stdout is the result, stderr the rest ---------------------------------------------------------
+
+def test_report_on_stdout_and_json_errors_are_one_object(tmp_path):
+    make_demo(tmp_path)
+    rel = "demo/cluster.toml"
+    mirror = stage("mirror", "--node", "dgx1", "--manifest", rel, cwd=tmp_path)
+    assert mirror.returncode == 0 and mirror.stdout.startswith("dgx1: copied 9 files")
+    verify = shell(f"stage verify --node dgx1 --manifest {rel} | grep -c 'sampled verify'", cwd=tmp_path)
+    assert verify.stdout.strip() == "1" and verify.stderr == ""
+
+    def one_object(result):
+        assert result.stdout.count("\n") == 1, result.stdout
+        return json.loads(result.stdout)
+
+    bad_node = stage("verify", "--json", "--node", "nope", "--manifest", rel, cwd=tmp_path)
+    assert bad_node.returncode == 2
+    assert one_object(bad_node) == {"error": f"{rel}: nodes.nope: no such node (known: dgx1, dgx2)",
+                                    "exit_code": 2}
+    assert bad_node.stderr.startswith("stage: error: ")
+    usage = stage("mirror", "--json", "--manifest", rel, cwd=tmp_path)  # --node is missing
+    assert usage.returncode == 2 and one_object(usage)["exit_code"] == 2 and "--node" in one_object(usage)["error"]
+    no_manifest = stage("binds", "--node", "dgx1", "--json", "--manifest", "absent.toml", cwd=tmp_path)
+    assert no_manifest.returncode == 2 and "absent.toml" in one_object(no_manifest)["error"]
+
+    # Exit 3 (could not run): another process holds the node hub's lock.
+    import fcntl
+
+    lock = tmp_path / "demo" / "nvme" / "hf" / "hub" / ".locks" / "stager.lock"
+    with open(lock, "r+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        locked = stage("mirror", "--node", "dgx1", "--json", "--manifest", rel, cwd=tmp_path)
+    assert locked.returncode == 3 and one_object(locked)["exit_code"] == 3 and "locked" in one_object(locked)["error"]
+
+    # binds: --json beside the docker -v lines; the -v lines alone on stdout.
+    docker = stage("binds", "--node", "dgx1", "--manifest", rel, cwd=tmp_path)
+    as_json = one_object(stage("binds", "--node", "dgx1", "--json", "--manifest", rel, cwd=tmp_path))
+    assert docker.stdout.splitlines() == [f"-v {b['source']}:{b['target']}:ro" for b in as_json["binds"]]
+    assert as_json == one_object(stage("binds", "--node", "dgx1", "--format", "json", "--manifest", rel,
+                                       cwd=tmp_path))
+
+
+@pytest.fixture(scope="module")
+def wide_nas(tmp_path_factory):
+    """A model of 800 small files, none staged: `stage binds` writes ~200 KB, several pipe buffers."""
+    root = tmp_path_factory.mktemp("wide")
+    hub = Hub(root / "nas")
+    snap = hub.repo("acme/Wide").snapshot()
+    for i in range(800):
+        snap.add_git(f"shards/part-{i:04d}-of-0800-with-a-long-name.json", b'{"part": %d}' % i)
+    snap.finish()
+    return write_manifest(root / "m.toml", hub.root, root / "nvme" / "hf" / "hub", {"acme/Wide": {}})
+
+
+@pytest.mark.parametrize("pipeline", ["stage binds --node dgx1 --manifest {m} | head -1",
+                                      "stage binds --node dgx1 --json --manifest {m} | head -c1"])
+def test_a_closed_pipe_ends_quietly_never_with_1(wide_nas, tmp_path, pipeline):
+    result = shell(f"set -o pipefail; {pipeline.format(m=wide_nas)}; echo \"status ${{PIPESTATUS[0]}}\" >&2",
+                   cwd=tmp_path)
+    status = int(re.search(r"status (\d+)", result.stderr).group(1))
+    assert status in (0, 141), result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+    assert "BrokenPipe" not in result.stderr and len(result.stdout) <= 400
+
+
+# ---- 4. signals --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def big_nas(tmp_path_factory):
+    """About 400 MiB on a real disk: four 48 MiB weight files and a two-layer Engram table of 2 x 87 MiB."""
+    root = tmp_path_factory.mktemp("big")
+    hub = Hub(root / "nas")
+    snap = hub.repo("acme/Big").snapshot()
+    for i in range(4):
+        size, chunks = streamed_safetensors(100 + i, 48 * MiB)
+        snap.add_lfs_stream(f"model-0000{i + 1}-of-00004.safetensors", size, chunks, shared=False)
+    add_engram_checkpoint(snap, layers=(1, 2), rows=330_000)
+    snap.finish()
+    return root / "nas"
+
+
+def big_manifest(big_nas: Path, where: Path) -> Path:
+    node = where / "nvme"
+    return write_manifest(where / "m.toml", big_nas, node / "hf" / "hub", {"acme/Big": {}}, extra=(
+        f'engram_dir = "{node / "engram"}"\nrank = 0\n\n[engram]\nmodel = "acme/Big"\nworld = 1\n'))
+
+
+def signal_when(command: list[str], ready, sig: int, cwd=None, timeout: float = 120):
+    """Start `command`, send `sig` as soon as `ready(pid)` holds, return (exit code, stderr, seconds
+    from the signal to the exit). Fails if the command ends before it was ever ready."""
+    proc = subprocess.Popen([*STAGE, *map(str, command)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=cwd, env=_clean_env())
+    deadline = time.monotonic() + timeout
+    while not ready(proc.pid):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"{command[0]} ended (exit {proc.returncode}) before the moment to signal it: {err[-2000:]}")
+        time.sleep(0.002)
+    proc.send_signal(sig)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err.decode(errors="replace"), time.monotonic() - sent
+
+
+def writing_temp(root: Path):
+    return lambda _pid: bool(temp_files(root))
+
+
+def reading_under(root: Path):
+    """True while the process has a file under `root` open (hashing it)."""
+    prefix = str(root) + "/"
+
+    def ready(pid: int) -> bool:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            return False
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                    return True
+            except OSError:
+                continue
+        return False
+
+    return ready
+
+
+def handles_sigterm(pid: int) -> bool:
+    """The process has its SIGTERM handler installed (SigCgt), i.e. stage's main() runs."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, flags=re.M).group(1), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def assert_ended_by(sig: int, code: int, err: str) -> None:
+    assert code == 128 + sig, err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err
+    assert lines == ["stage: interrupted" if sig == signal.SIGINT else "stage: terminated"], lines
+
+
+SIGNALS = pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+
+
+@SIGNALS
+def test_signal_during_mirror_cleans_up_and_releases_the_lock(big_nas, tmp_path, sig):
+    manifest = big_manifest(big_nas, tmp_path)
+    hub = tmp_path / "nvme" / "hf" / "hub"
+    code, err, _ = signal_when(["mirror", "--node", "dgx1", "--full", "-j", "2", "--manifest", manifest],
+                               writing_temp(hub), sig)
+    assert_ended_by(sig, code, err)
+    assert temp_files(hub) == []
+    again = stage("mirror", "--node", "dgx1", "--manifest", manifest)
+    assert again.returncode == 0, again.stderr  # not refused as locked, and it converges
+    assert stage("verify", "--node", "dgx1", "--full", "--manifest", manifest).returncode == 1  # shards not packed
+    assert temp_files(tmp_path) == []
+
+
+@SIGNALS
+def test_signal_during_verify_ends_promptly(big_nas, tmp_path, sig):
+    manifest = big_manifest(big_nas, tmp_path)
+    hub = tmp_path / "nvme" / "hf" / "hub"
+    assert stage("mirror", "--node", "dgx1", "--manifest", manifest).returncode == 0
+    code, err, seconds = signal_when(["verify", "--node", "dgx1", "--full", "-j", "1", "--manifest", manifest],
+                                     reading_under(hub), sig)
+    assert_ended_by(sig, code, err)
+    assert seconds < 30
+
+
+@SIGNALS
+def test_signal_during_pack_engram_cleans_up_and_releases_the_lock(big_nas, tmp_path, sig):
+    manifest = big_manifest(big_nas, tmp_path)
+    shards = tmp_path / "nvme" / "engram"
+    code, err, _ = signal_when(["pack-engram", "--node", "dgx1", "--from-nas", "--manifest", manifest],
+                               writing_temp(shards), sig)
+    assert_ended_by(sig, code, err)
+    assert temp_files(shards) == []
+    again = stage("pack-engram", "--node", "dgx1", "--from-nas", "--manifest", manifest)
+    assert again.returncode == 0, again.stderr
+
+
+@SIGNALS
+def test_signal_during_archive_cleans_up_and_releases_the_lock(tmp_path, sig):
+    src, dest = tmp_path / "old-tp2", tmp_path / "archive"
+    src.mkdir()
+    dest.mkdir()
+    for i in range(3):
+        size, chunks = streamed_safetensors(7 + i, 64 * MiB)
+        with open(src / f"engram-l{i}-r0of2.bin", "wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+    names = sorted(p.name for p in src.iterdir())
+    code, err, _ = signal_when(["archive", src, dest], writing_temp(dest), sig)
+    assert_ended_by(sig, code, err)
+    assert temp_files(dest) == []
+    kept = {p.name for p in src.glob("*")} | {p.name for p in dest.rglob("*.bin")}
+    assert sorted(kept) == names  # every file still has at least one copy
+    again = stage("archive", src, dest)
+    assert again.returncode == 0, again.stderr
+
+
+@SIGNALS
+def test_signal_during_audit_ends_with_one_line(big_nas, tmp_path, sig):
+    manifest = big_manifest(big_nas, tmp_path)
+    prom = tmp_path / "textfile" / "stage.prom"
+    prom.parent.mkdir()
+    for _attempt in range(5):
+        code, err, _ = signal_when(["audit", "--node", "dgx1", "--prom", prom, "--manifest", manifest],
+                                   handles_sigterm, sig)
+        if code != 0:  # 0: the audit finished before the signal arrived; try again
+            break
+    assert_ended_by(sig, code, err)
+    assert temp_files(prom.parent) == []
+
+
+# ---- 5. permissions are named ----------------------------------------------------------------------
+
+@pytest.fixture
+def shared_demo():
+    """The demo in a directory every user may traverse (pytest's own tmp dir is root's alone)."""
+    where = Path(tempfile.mkdtemp(prefix="stage-contract-", dir="/tmp"))
+    where.chmod(0o755)
+    try:
+        yield make_demo(where).relative_to(where), where
+    finally:
+        shutil.rmtree(where)
+
+
+def as_nobody(*args, cwd) -> subprocess.CompletedProcess:
+    """`stage ARGS` run as user nobody, through setpriv (the interpreter lives where nobody can run it)."""
+    return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                           sys.executable, "-m", "stager", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=300,
+                          env={**_clean_env(), "HOME": "/tmp"})
+
+
+def assert_permission_named(result, path: Path) -> None:
+    assert result.returncode == 3, result.stderr
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith("stage: error: permission denied: "), line
+    assert str(path) in line and "nobody" in line and "internal error" not in line
+
+
+def test_permission_problems_name_the_path_and_the_user(shared_demo):
+    manifest, where = shared_demo
+    if as_nobody("--version", cwd=where).returncode != 0:
+        pytest.skip("cannot run the interpreter as user nobody here")
+    demo = where / "demo"
+    # The node hub cannot be created: demo/ is root's.
+    assert_permission_named(as_nobody("mirror", "--node", "dgx1", "--manifest", manifest, cwd=where), demo)
+    # The hub exists, and its lock is root's.
+    assert stage("mirror", "--node", "dgx1", "--manifest", manifest, cwd=where).returncode == 0
+    lock = demo / "nvme" / "hf" / "hub" / ".locks" / "stager.lock"
+    assert_permission_named(as_nobody("mirror", "--node", "dgx1", "--manifest", manifest, cwd=where), lock)
+    # The engram directory is root's.
+    assert stage("mirror", "--node", "dgx2", "--manifest", manifest, cwd=where).returncode == 0
+    (demo / "nvme-dgx2" / "engram").mkdir()
+    result = as_nobody("pack-engram", "--node", "dgx2", "--manifest", manifest, cwd=where)
+    assert_permission_named(result, demo / "nvme-dgx2" / "engram")
+    # --json: the same error as one object.
+    result = as_nobody("mirror", "--node", "dgx1", "--json", "--manifest", manifest, cwd=where)
+    assert json.loads(result.stdout)["exit_code"] == 3 and "permission denied" in json.loads(result.stdout)["error"]
+
+
+def test_a_read_only_mount_is_named(shared_demo):
+    manifest, where = shared_demo
+    if shutil.which("unshare") is None or shell("unshare -m true", cwd=where).returncode != 0:
+        pytest.skip("no mount namespaces here")
+    assert stage("mirror", "--node", "dgx2", "--manifest", manifest, cwd=where).returncode == 0
+    engram = where / "demo" / "nvme-dgx2" / "engram"
+    engram.mkdir()
+    hub1 = where / "demo" / "nvme"
+    hub1.mkdir()
+    stage_cmd = " ".join(STAGE)
+    # A private mount namespace: the read-only bind mounts vanish with the shell.
+    result = subprocess.run(["unshare", "-m", "bash", "-c", f"""
+        mount --make-rprivate /
+        mount --bind {engram} {engram} && mount -o remount,bind,ro {engram} || exit 99
+        mount --bind {hub1} {hub1} && mount -o remount,bind,ro {hub1} || exit 99
+        {stage_cmd} pack-engram --node dgx2 --manifest {manifest} 2>pack.err; echo "pack $?"
+        {stage_cmd} mirror --node dgx1 --manifest {manifest} 2>mirror.err; echo "mirror $?"
+        """], capture_output=True, text=True, cwd=where, timeout=300, env=_clean_env())
+    if result.returncode == 99:
+        pytest.skip("bind mounts are not permitted here")
+    assert "pack 3" in result.stdout and "mirror 3" in result.stdout, result.stdout + result.stderr
+    pack, = (where / "pack.err").read_text().strip().splitlines()
+    assert pack.startswith("stage: error: read-only file system: ") and str(engram) in pack
+    mirror, = (where / "mirror.err").read_text().strip().splitlines()
+    assert mirror.startswith("stage: error: ") and str(hub1) in mirror
+    assert re.search(r"read-only file ?system", mirror)
+
+
+# ---- 6. CLI conventions ------------------------------------------------------------------------------
+
+def test_version_help_placeholders_and_grammar(tmp_path):
+    from stager import __version__
+
+    version = stage("--version")
+    assert version.returncode == 0 and version.stdout == f"stage {__version__}\n"
+    commands = ["mirror", "verify", "pack-engram", "archive", "audit", "binds", "fleet"]
+    for args in ([], *([c] for c in commands)):
+        short, long = stage(*args, "-h"), stage(*args, "--help")
+        assert short.returncode == 0 and short.stdout == long.stdout, (args, short.stderr)
+        usage = short.stdout
+        # Types are not placeholders ("<str>", "<list[int]>", "TEXT"); a list of choices ("<a|b>") is fine.
+        assert not re.search(r"<[a-z][^>|]*>|\b(TEXT|INTEGER|FLOAT)\b", usage), (args, usage)
+    mirror_help = stage("mirror", "-h").stdout
+    for placeholder in ("--node NAME", "--manifest PATH", "--jobs N", "--seed N"):
+        assert placeholder in mirror_help, mirror_help
+    assert "--subset N/T" in stage("verify", "-h").stdout
+
+    make_demo(tmp_path)
+    rel = "demo/cluster.toml"
+    assert stage("mirror", "--node", "dgx1", "--manifest", rel, cwd=tmp_path).returncode == 0
+    victim = next((tmp_path / "demo" / "nvme" / "hf" / "hub").glob("models--acme--Flash-drafter/snapshots/*/config.json"))
+    os.unlink(os.path.realpath(victim))
+    one = stage("verify", "--node", "dgx1", "--manifest", rel, cwd=tmp_path)
+    assert one.returncode == 1 and one.stdout.splitlines()[0].endswith(", 1 problem"), one.stdout
+
+
+def test_dry_run_lists_each_copy_with_its_reason(tmp_path):
+    make_demo(tmp_path)
+    rel = "demo/cluster.toml"
+    text = stage("mirror", "--node", "dgx1", "--dry-run", "--manifest", rel, cwd=tmp_path)
+    assert text.returncode == 0
+    listed = [line for line in text.stdout.splitlines() if line.startswith("  would copy ")]
+    assert len(listed) == 9 and all(re.search(r"\(\d.*\): \S", line) for line in listed), text.stdout
+    assert text.stdout.splitlines()[-1].startswith("dgx1: would copy 9 files")
+    assert not (tmp_path / "demo" / "nvme").exists()
+    data = json.loads(stage("mirror", "--node", "dgx1", "--dry-run", "--json", "--manifest", rel, cwd=tmp_path).stdout)
+    assert len(data["would_copy"]) == 9 == data["copied_files"]
+    assert {"path", "source", "bytes", "reason"} <= set(data["would_copy"][0])
+    assert sum(item["bytes"] for item in data["would_copy"]) == data["bytes_needed"]
+    assert stage("mirror", "--node", "dgx1", "--manifest", rel, cwd=tmp_path).returncode == 0
+    warm = json.loads(stage("mirror", "--node", "dgx1", "--dry-run", "--json", "--manifest", rel, cwd=tmp_path).stdout)
+    assert warm["would_copy"] == []
+
+
+# ---- 7. integration recipes ------------------------------------------------------------------------
+
+def test_systemd_unit_stages_before_the_inference_service(tmp_path):
+    import configparser
+
+    text = (REPO / "scripts" / "stage-mirror.service").read_text()
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read_string(text)
+    assert "inference.service" in unit["Unit"]["Before"].split()
+    assert unit["Install"]["RequiredBy"] == "inference.service"
+    assert unit["Service"]["Type"] == "oneshot" and unit["Service"]["RemainAfterExit"] == "yes"
+    exec_start = unit["Service"]["ExecStart"]
+    assert exec_start.startswith("/usr/local/bin/stage mirror --node ")
+    # The unit as systemd reads it, with ExecStart pointing at this install.
+    local = tmp_path / "stage-mirror.service"
+    local.write_text(text.replace("/usr/local/bin/stage", STAGE[0]))
+    if shutil.which("systemd-analyze"):
+        check = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True)
+        assert check.returncode == 0 and check.stderr.strip() == "", check.stderr
+    # Its ExecStart, with the unit's environment, stages the demo.
+    manifest = make_demo(tmp_path)
+    command = exec_start.replace("/usr/local/bin/stage", STAGE[0]).replace("${STAGE_NODE}", "dgx1")
+    result = shell(command, cwd=tmp_path, env={"STAGE_MANIFEST": str(manifest)})
+    assert result.returncode == 0, result.stderr
+
+
+def fake_docker(bin_dir: Path, record: Path) -> None:
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" > {record}\n')
+    (bin_dir / "docker").chmod(0o755)
+
+
+def test_container_launch_gates_on_verify_and_binds_read_only(tmp_path):
+    manifest = make_demo(tmp_path)
+    script = REPO / "scripts" / "stage-serve.sh"
+    record = tmp_path / "docker.argv"
+    fake_docker(tmp_path / "fake-bin", record)
+    env = {"STAGE_NODE": "dgx1", "STAGE_MANIFEST": str(manifest), "PATH": f"{tmp_path / 'fake-bin'}:{BIN}:/usr/bin:/bin"}
+
+    # Not staged yet: the gate refuses, docker never runs.
+    refused = subprocess.run([str(script), "acme/serve:1", "--port", "8000"], capture_output=True, text=True,
+                             cwd=tmp_path, env={**_clean_env(), **env}, timeout=300)
+    assert refused.returncode == 1 and not record.exists(), refused.stderr
+
+    assert stage("mirror", "--node", "dgx1", "--manifest", manifest).returncode == 0
+    served = subprocess.run([str(script), "acme/serve:1", "--port", "8000"], capture_output=True, text=True,
+                            cwd=tmp_path, env={**_clean_env(), **env}, timeout=300)
+    assert served.returncode == 0, served.stderr
+    argv = record.read_text().split("\0")[:-1]
+    assert argv[0] == "run" and argv[-3:] == ["acme/serve:1", "--port", "8000"]
+    volumes = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-v"]
+    binds = json.loads(stage("binds", "--node", "dgx1", "--container-hub", "/hf/hub", "--json",
+                             "--manifest", manifest).stdout)["binds"]
+    assert volumes == [f"{b['source']}:{b['target']}:ro" for b in binds]
+    nas = str(tmp_path / "demo" / "nas")
+    fallback = [v for v in volumes if v.startswith(nas + "/")]
+    assert fallback and all(v.endswith(":ro") for v in volumes)  # the excluded page15/ comes from the NAS
+    assert "HF_HUB_CACHE=/hf/hub" in argv and "HF_HUB_OFFLINE=1" in argv
+
+
+# ---- 8. start-up ------------------------------------------------------------------------------------
+
+def imported_modules(args, cwd) -> set[str]:
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "stager", *args], capture_output=True,
+                            text=True, cwd=cwd, env=_clean_env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_warm_no_op_runs_import_only_what_they_need(tmp_path):
+    make_demo(tmp_path)
+    rel = "demo/cluster.toml"
+    assert stage("mirror", "--node", "dgx1", "--manifest", rel, cwd=tmp_path).returncode == 0
+    for command in ("mirror", "verify"):
+        modules = imported_modules([command, "--node", "dgx1", "--manifest", rel], tmp_path)
+        heavy = {m for m in modules if m.split(".")[0] == "numpy" or m.startswith("stager.engram")
+                 or m == "typer._adapters" or m == "tqdm"}
+        assert not heavy, (command, sorted(heavy))
