@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager.errors import BadInput, CannotRun
-from stager.hub import COMMIT, Problem, RepoSnapshot, is_excluded, is_shared_payload, walk_repo
+from stager.hub import COMMIT, Problem, RepoSnapshot, is_excluded, is_shared_payload, require_hub, walk_repo
 from stager.manifest import Manifest
 from stager.source import LocalSource, open_source
 from stager.verify import check_local_chain
@@ -80,9 +80,10 @@ class BindList:
         }
 
 
-def _local_final(local_hub: Path, entry_rel: str, size: int) -> str | None:
-    """The local regular file a staged entry resolves to, or None if it is not staged there."""
-    final, problem, _links = check_local_chain(local_hub, entry_rel)
+def _local_final(local_hub: Path, entry_rel: str, size: int, sources: tuple[str, ...]) -> str | None:
+    """The local regular file a staged entry resolves to, or None if it is not staged there
+    (a file reached through a directory link or mount into the NAS is not)."""
+    final, problem, _links = check_local_chain(local_hub, entry_rel, sources=sources)
     if problem is not None or final is None:
         return None
     try:
@@ -101,7 +102,7 @@ def _local_ref_ok(local_hub: Path, snap: RepoSnapshot) -> bool:
 
 
 def model_binds(nas: LocalSource, local_hub: Path, container_hub: str, repo_id: str, revision: str,
-                exclude: list[str], out: BindList) -> None:
+                exclude: list[str], out: BindList, sources: tuple[str, ...] = ()) -> None:
     # Walked without excludes: excluded entries need their NAS files resolved too.
     snap = walk_repo(nas, repo_id, revision, [])
     out.problems.extend(snap.problems)
@@ -115,7 +116,7 @@ def model_binds(nas: LocalSource, local_hub: Path, container_hub: str, repo_id: 
     for entry in snap.entries:
         target = f"{container_hub}/{snap.snapshot_dir}/{entry.path}"
         excluded = is_excluded(entry.path, exclude)
-        final = None if excluded else _local_final(local_hub, entry.rel, entry.size)
+        final = None if excluded else _local_final(local_hub, entry.rel, entry.size, sources)
         if excluded:
             summary["excluded"].append(entry.path)
         if final is not None:
@@ -160,11 +161,13 @@ def node_binds(manifest: Manifest, node: str, container_hub: str | None) -> Bind
     source = open_source(manifest.nas.hub, manifest.nas.aliases)
     if not isinstance(source, LocalSource):
         raise CannotRun(f"nas.hub {manifest.nas.hub}: a container can only fall back to a NAS mounted at a path")
+    require_hub(source, list(config.models))
     out = BindList(node, hub)
     local_hub = Path(config.hub)
+    sources = tuple(manifest.local_sources())
     for repo_id in config.models:
         model = manifest.models[repo_id]
-        model_binds(source, local_hub, hub, repo_id, model.revision, list(model.exclude), out)
+        model_binds(source, local_hub, hub, repo_id, model.revision, list(model.exclude), out, sources)
     for bind in out.binds:
         # docker's -v splits on ':'; such a path cannot be expressed and is reported, not mangled.
         if ":" in bind.source or ":" in bind.target:

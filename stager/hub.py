@@ -238,12 +238,15 @@ def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -
         entries.append(Entry(repo_id, path, chain, final.size, final.mtime_ns))
     _refuse_senseless_exclude(repo_id, snap_dir, entries, excluded, exclude, len(seen))
     listing = _tree_listing(source, repo_dir, commit)
-    absent = missing_from_snapshot(set(seen), listing, _index_names(source, snap_dir, seen), exclude)
-    if absent:
+    index_names = _index_names(source, snap_dir, seen)
+    absent = missing_from_snapshot(set(seen), listing, index_names, exclude)
+    in_flight = _downloads_in_flight(source, repo_dir)
+    if absent or (in_flight and not listing and not index_names):
         # huggingface_hub writes the ref and trees/<commit>.json before the files: following such a
-        # ref moved a serving node onto a snapshot it could not load. Nothing of it is staged.
-        problem = Problem(source.display(snap_dir), "incomplete",
-                          incomplete_detail(commit, absent, _downloads_in_flight(source, repo_dir)))
+        # ref moved a serving node onto a snapshot it could not load. hf_hub_download, file by
+        # file, writes no listing at all; then a download in flight is the only sign, and is
+        # taken as one. Nothing of such a snapshot is staged.
+        problem = Problem(source.display(snap_dir), "incomplete", incomplete_detail(commit, absent, in_flight))
         return _with(base, commit=commit, excluded=tuple(excluded), problems=(*problems, problem))
     metadata = _metadata(source, repo_dir, commit, problems)
     return RepoSnapshot(repo_id, revision, repo_dir, commit, tuple(entries), tuple(excluded),
@@ -282,9 +285,12 @@ def missing_from_snapshot(present: set[str], listing: dict, index_names: set[str
 
 
 def incomplete_detail(commit: str, absent: list[str], in_flight: list[str]) -> str:
-    shown = ", ".join(absent[:5]) + (f" and {len(absent) - 5} more" if len(absent) > 5 else "")
     cause = (f"a download still running or killed on the NAS ({', '.join(in_flight[:3])} present)" if in_flight
              else "a download still running or killed on the NAS, or files deleted from it")
+    if not absent:
+        return (f"snapshot {commit} has no file listing (trees json or safetensors index) while {cause}; "
+                "the node stays on the revision it has. If that download is dead, delete its .incomplete file")
+    shown = ", ".join(absent[:5]) + (f" and {len(absent) - 5} more" if len(absent) > 5 else "")
     return (f"snapshot {commit} lacks {len(absent)} listed file{'s' if len(absent) != 1 else ''} ({shown}): "
             f"{cause}; the node stays on the revision it has. If the NAS holds part of this repo on purpose, "
             "add the absent files to the model's exclude")

@@ -40,7 +40,8 @@ ByteSize = Annotated[int, BeforeValidator(_size)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `world = "3"` is a string where a count belongs, not a count (TOML has both types).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class NasConfig(_Strict):
@@ -78,6 +79,14 @@ class NodeConfig(_Strict):
     source: str | None = Field(default=None, description="Overrides nas.hub as this node's source")
     address: str | None = Field(default=None, description="[user@]host[:port]: where peers reach this node's "
                                 "hub over SFTP (`stage fleet mirror --fan-out`)")
+
+    @field_validator("models")
+    @classmethod
+    def _listed_once(cls, models: list[str]) -> list[str]:
+        twice = sorted({m for m in models if models.count(m) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once")
+        return models
 
     @field_validator("address")
     @classmethod
@@ -148,6 +157,12 @@ class Manifest(_Strict):
             raise BadInput(f"{self.path}: nodes.{name}: no such node (known: {known})")
         return self.nodes[name]
 
+    def local_sources(self, extra: list[str] = ()) -> list[str]:
+        """Every local spelling of a source this tool must never write: the NAS hub, its alias
+        targets, and any local source given on the command line. sftp:// sources are not local."""
+        roots = [self.nas.hub, *self.nas.aliases.values(), *extra]
+        return [r.removeprefix("file://") for r in roots if r and ("://" not in r or r.startswith("file://"))]
+
     def source_for(self, node_name: str) -> str:
         """Where this node stages from: its own `source` override, else the NAS hub."""
         return self.node(node_name).source or self.nas.hub
@@ -201,9 +216,23 @@ def load_manifest(explicit: str | os.PathLike | None = None) -> Manifest:
         raise BadInput(f"{path}: not valid TOML: {exc}") from None
     if "path" in raw:
         raise BadInput(f"{path}: path: unknown key")
+    nul = _nul_keys(raw)
+    if nul:
+        raise BadInput(f"{path}: " + "; ".join(f"{key}: a NUL byte cannot be in a path or name" for key in nul))
     try:
         return Manifest.model_validate({**raw, "path": str(path)})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise BadInput(f"{path}: {_describe(first)}{more}") from None
+        # Every problem, on one line: fixing them one run at a time wastes an operator's evening.
+        raise BadInput(f"{path}: " + "; ".join(_describe(error) for error in exc.errors())) from None
+
+
+def _nul_keys(value: object, key: tuple = ()) -> list[str]:
+    """Dotted keys whose key or string value holds a NUL byte (no path or repo id can)."""
+    if isinstance(value, str):
+        return [_dotted(key)] if "\0" in value else []
+    if isinstance(value, dict):
+        found = [_dotted((*key, k)) for k in value if "\0" in str(k)]
+        return found + [f for k, v in value.items() for f in _nul_keys(v, (*key, k))]
+    if isinstance(value, list):
+        return [f for i, v in enumerate(value) for f in _nul_keys(v, (*key, i))]
+    return []

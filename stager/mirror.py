@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from stager import hints
-from stager.errors import BadInput, CannotRun
 from stager import identity
+from stager.errors import BadInput, CannotRun
 from stager.execute import execute, publish_refs
 from stager.hub import ExcludeError, Problem, RepoSnapshot, require_hub, walk_repo
 from stager.lock import writer_lock
@@ -83,7 +83,7 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
         if repo_id not in config.models:
             raise BadInput(f"{manifest.path}: nodes.{node}.models: {repo_id!r} is not staged on {node}")
     url = source_override or manifest.source_for(node)
-    roots = source_roots(manifest, [url])
+    roots = manifest.local_sources([url])
     refuse_source_overlap(manifest.path, f"nodes.{node}.hub", config.hub, roots)
     source = open_source(url, manifest.nas.aliases)
     return NodeJob(
@@ -99,13 +99,6 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
         manifest=manifest.path,
         never_write=tuple(roots),
     )
-
-
-def source_roots(manifest: Manifest, extra: list[str] = ()) -> list[str]:
-    """Every local spelling of a source this tool must never write: the NAS hub, its alias
-    targets, and any local source given on the command line. sftp:// sources are not local."""
-    roots = [manifest.nas.hub, *manifest.nas.aliases.values(), *extra]
-    return [r.removeprefix("file://") for r in roots if r and ("://" not in r or r.startswith("file://"))]
 
 
 def refuse_source_overlap(manifest_path: str, key: str, dest: str, roots: list[str]) -> None:

@@ -19,18 +19,22 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 def parse_size(text: str | int) -> int:
     """Parse "20GiB", "500 MB", "1.5T" or a plain integer into bytes.
 
-    Bare K/M/G/T are binary, as `df -h` prints them. Raises ValueError.
+    Bare K/M/G/T are binary, as `df -h` prints them; a bare integer is bytes. Raises ValueError.
     """
-    if isinstance(text, bool):
-        raise ValueError("expected a size, got a boolean")
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        # A TOML float (`reserve = 1.5`) once became 1 byte: a bare number is whole bytes, or nothing.
+        raise ValueError(f"expected a size like '20GiB' or a whole number of bytes, got {text!r}")
     if isinstance(text, int):
         if text < 0:
             raise ValueError("a size cannot be negative")
         return text
-    match = _SIZE.match(str(text))
+    match = _SIZE.match(text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a size like '20GiB' or '500MB', got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    unit = _UNITS[match.group(2).lower()]
+    if unit == 1 and "." in match.group(1):
+        raise ValueError(f"expected a whole number of bytes, got {text!r}")
+    return int(float(match.group(1)) * unit)
 
 
 def format_size(n: int) -> str:

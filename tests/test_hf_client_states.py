@@ -326,8 +326,6 @@ def test_mirror_while_the_download_still_runs(site, hub, procs):
     assert_node_serves(site, hub, b)
 
 
-@pytest.mark.xfail(strict=True, reason="a NAS snapshot with neither trees/<commit>.json nor a safetensors "
-                   "index is taken as whole: the node moves onto a commit whose weights are not downloaded")
 def test_file_by_file_download_killed_half_way(site, hub, procs):
     """How transformers' from_pretrained fills a cache: hf_hub_download of config.json, then of the
     weights, file by file. No trees listing is written, and a one-file model has no index."""
