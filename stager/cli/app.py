@@ -164,6 +164,8 @@ def describe_os_error(exc: OSError) -> str:
         target, need = (path, "access to") if os.path.lexists(path) else (os.path.dirname(path) or ".", "write access to")
         return (f"permission denied: {target}{_ownership(target)}: stage runs as user {_user()}, "
                 f"which needs {need} it; run stage as a user who has it, or grant {_user()} access")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied: stage runs as user {_user()}"
     reason = exc.strerror or str(exc)
     return f"{reason}: {path}" if path is not None else reason
 
