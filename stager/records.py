@@ -3,17 +3,44 @@
 SHA256SUMS uses GNU coreutils' text format (`<64 hex>  <name>`), so `sha256sum -c
 SHA256SUMS` run in that directory is the independent check.  Updates rewrite the
 whole file atomically and keep every line for other names.
+
+Records are never read or written through a symlink: a link planted at a record's name would
+otherwise have root copy its target's content into the record, or write into the target.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
 
 from stager.atomic import atomic_write_bytes, fsync_dir, open_for_write
+from stager.errors import CannotRun
 
 SUMS_NAME = "SHA256SUMS"
+MOVED_NAME = "MOVED.txt"
+
+MOVED_HEADER = """\
+# Files listed below were moved out of this directory by `stage archive`.
+# Each was hashed (SHA-256) while it was copied; the copy was then re-read from the
+# destination and hashed again, and the original was deleted only after both matched.
+# Check the archive with:  cd <directory of the sums file> && sha256sum -c SHA256SUMS
+"""
+
+
+def read_record(path: Path) -> str | None:
+    """The text of a record file, None if it does not exist; a symlink at `path` is exit 3."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CannotRun(f"{path} is a symlink; refusing to use it as a record") from None
+        raise
+    with open(fd, "rb") as handle:
+        return handle.read().decode("utf-8", errors="surrogateescape")
 
 
 def _escape(name: str) -> tuple[str, str]:
@@ -35,27 +62,26 @@ def _unescape(name: str) -> str:
     return "".join(out)
 
 
+def _parse_sums_line(line: str) -> tuple[str, str] | None:
+    """(name, sha256) of one SHA256SUMS line, None for a line in another format."""
+    escaped = line.startswith("\\")
+    body = line[1:] if escaped else line
+    if len(body) < 66 or body[64:66] not in ("  ", " *"):
+        return None
+    name = body[66:]
+    return (_unescape(name) if escaped else name), body[:64].lower()
+
+
 def read_sums(path: Path) -> dict[str, str]:
     """name -> sha256 from a GNU SHA256SUMS file (missing file: empty)."""
-    sums: dict[str, str] = {}
-    try:
-        text = path.read_text(encoding="utf-8", errors="surrogateescape")
-    except FileNotFoundError:
-        return sums
-    for line in text.splitlines():
-        escaped = line.startswith("\\")
-        body = line[1:] if escaped else line
-        if len(body) < 66 or body[64:66] not in ("  ", " *"):
-            continue
-        name = body[66:]
-        sums[_unescape(name) if escaped else name] = body[:64].lower()
-    return sums
+    # "\n" only: str.splitlines() also splits at \x1c, \x85 and others, which GNU leaves raw in a name.
+    parsed = map(_parse_sums_line, (read_record(path) or "").split("\n"))
+    return dict(entry for entry in parsed if entry is not None)
 
 
 def update_sums(path: Path, entries: dict[str, str]) -> None:
     """Set `entries` (name -> sha256) in the SHA256SUMS at `path`, keeping all other lines."""
-    sums = read_sums(path)
-    sums.update(entries)
+    sums = read_sums(path) | entries
     lines = []
     for name in sorted(sums):
         prefix, written = _escape(name)
@@ -63,26 +89,52 @@ def update_sums(path: Path, entries: dict[str, str]) -> None:
     atomic_write_bytes(path, "".join(lines).encode("utf-8", errors="surrogateescape"))
 
 
-def append_journal(path: Path, record: dict) -> None:
-    """Append one JSON line and fsync: the journal is the audit trail, so it must survive a crash."""
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+def drop_from_sums(path: Path, gone: set[str]) -> None:
+    """Remove the lines of a SHA256SUMS that name a file in `gone` (absolute, normalized paths),
+    keeping every other line verbatim; a file left with no line is removed, since `sha256sum -c`
+    fails on an empty list."""
+    text = read_record(path)
+    if text is None:
+        return
+    lines = text.split("\n")
+    kept = [line for line in lines if not _names_one_of(line, path.parent, gone)]
+    if len(kept) == len(lines):
+        return
+    if any(line.strip() for line in kept):
+        atomic_write_bytes(path, "\n".join(kept).encode("utf-8", errors="surrogateescape"))
+    else:
+        os.unlink(path)
+        fsync_dir(path.parent)
+
+
+def _names_one_of(line: str, directory: Path, paths: set[str]) -> bool:
+    entry = _parse_sums_line(line)
+    return entry is not None and os.path.normpath(os.path.join(directory, entry[0])) in paths
+
+
+def append_record(path: Path, data: bytes) -> None:
+    """Append and fsync, never through a link. Appending, not rewriting, so two runs recording into
+    one file at once (two archives of one SRC into different DESTs) never drop each other's lines."""
     fd = open_for_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        os.write(fd, line)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
     fsync_dir(path.parent)
 
 
+def append_journal(path: Path, records: list[dict]) -> None:
+    """Append JSON lines and fsync once: the journal is the audit trail, so it must survive a crash."""
+    append_record(path, "".join(json.dumps(record, sort_keys=True) + "\n" for record in records).encode())
+
+
 def read_journal(path: Path) -> list[dict]:
     """Records of a JSON-lines journal; a torn last line (crash mid-append) is ignored."""
     records = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return records
-    for line in lines:
+    for line in (read_record(path) or "").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
@@ -92,11 +144,8 @@ def read_journal(path: Path) -> list[dict]:
     return records
 
 
-MOVED_NAME = "MOVED.txt"
-
-
 def moved_block(*, destination: str, sums: str, host: str, time: str, files: list[tuple[str, int, str, str]]) -> str:
-    """One run's section of a MOVED.txt: where the files went and the per-file sha256.
+    """One section of a MOVED.txt: where the files went and the per-file sha256.
 
     `files` holds (sha256, bytes, name relative to the MOVED.txt, "copied" | "adopted").
     The name comes last and uses the SHA256SUMS escaping, so every file line parses as
@@ -115,3 +164,11 @@ def moved_block(*, destination: str, sums: str, host: str, time: str, files: lis
         prefix, written = _escape(name)
         lines.append(f"{prefix}{sha256}  {size}  {how}  {written}")
     return "\n".join(lines) + "\n"
+
+
+def append_moved(path: Path, block: str) -> None:
+    """Add one section to a MOVED.txt (the header first, in a new one); earlier sections, and notes
+    written by hand, stay as they are."""
+    before = read_record(path)
+    lead = MOVED_HEADER if not before else "\n" if before.endswith("\n") else "\n\n"
+    append_record(path, (lead + block).encode("utf-8", errors="surrogateescape"))
