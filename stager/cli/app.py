@@ -97,6 +97,9 @@ def main() -> None:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     code, line, error = _run(argv)
+    # The work is over, clean-up included: a signal from here on just ends the process.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from stager.cli import terminal
 
     if line is not None:
@@ -120,6 +123,8 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
     except typer.Abort:  # click's own reading of Ctrl-C (at a prompt, say)
         return 128 + signal.SIGINT, "interrupted", "interrupted"
     except typer.TyperException as exc:  # usage: unknown option, missing --node, ...
+        if not hasattr(exc, "show"):
+            return EXIT_BAD_INPUT, f"error: {exc.format_message()}", exc.format_message()
         exc.show()  # "Usage: ... Try 'stage X -h' for help. Error: ..." on stderr
         return EXIT_BAD_INPUT, None, exc.format_message()
     except StageError as exc:
