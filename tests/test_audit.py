@@ -495,3 +495,20 @@ def test_shipped_alert_rules_pass_promtool(tmp_path):
     spec.write_text(json.dumps(tests))
     ran = subprocess.run([tool, "test", "rules", str(spec)], capture_output=True, text=True, cwd=tmp_path)
     assert ran.returncode == 0 and "SUCCESS" in ran.stdout, ran.stdout + ran.stderr
+
+
+def test_perfdata_names_each_filesystem(demo):
+    """engram_dir on a filesystem of its own: one 'free' and one 'needed' per mount point, each
+    with its own thresholds, agreeing with the JSON figures."""
+    set_reserve(demo["manifest"], "4MiB")
+    with tmpfs(demo["engram"], 16 * MiB):
+        [line] = audit(demo).stdout.splitlines()
+        report = audit(demo, "--json").json
+    perf = perfdata(line)
+    assert len(report["filesystems"]) == 2
+    assert set(perf) == {f"{what} {fs['mount']}" for fs in report["filesystems"] for what in ("free", "needed")}
+    for fs in report["filesystems"]:
+        free, needed = perf[f"free {fs['mount']}"], perf[f"needed {fs['mount']}"]
+        assert (int(free["value"]), int(needed["value"]), int(free["max"])) == \
+            (fs["free_bytes"], fs["needed_bytes"], fs["total_bytes"])
+        assert free["crit"] == f"{fs['needed_bytes'] + 4 * MiB}:" and free["warn"] == f"{fs['needed_bytes'] + 8 * MiB}:"
