@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager import __version__
+from stager.archive import LOCK_NAME as ARCHIVE_LOCK
 from stager.atomic import atomic_write_bytes, is_temp_name
 from stager.errors import StageError
 from stager.fingerprint import Verdict
 from stager.hub import MAX_HOPS, Problem, repo_dir_name
 from stager.manifest import Manifest, load_manifest
-from stager.archive import LOCK_NAME as ARCHIVE_LOCK
 from stager.mirror import LOCK_NAME as MIRROR_LOCK
 from stager.mirror import node_job, walk
 from stager.plan import LocalState, final_files, make_plan
@@ -49,7 +49,9 @@ from stager.units import format_size
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 STATUS_NAMES = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
-STALE_SECONDS = 3600  # a temp file older than this has no live writer: copies write continuously
+# A temp file untouched for this long may be interrupted; whether it is, the writer locks of the
+# tree it lies in decide (stale_temps, guarding_locks).
+STALE_SECONDS = 3600
 TOP_RECLAIMABLE = 10
 ORPHAN_KINDS = ("blob", "shared-blob", "shard", "temp")
 REPO_KINDS = ("models", "datasets", "spaces")
@@ -396,7 +398,7 @@ def shard_orphans(engram_dir: Path, manifest: Manifest, specs: list) -> list[Orp
     """Shards of another TP size, or of a layer the manifest's model does not have, each counted
     with its receipt. Shards of other ranks at the manifest's TP size are not orphans: a node may
     hold its peers' ranks on purpose (one 8-GPU node serving all of TP=8)."""
-    from stager.engram import parse_shard_name
+    from stager.engram.shard_format import parse_shard_name
 
     layers = {spec.layer for spec in specs}
     orphans = []
