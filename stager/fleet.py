@@ -28,9 +28,9 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -123,9 +123,8 @@ def node_argv(manifest: Manifest, command: str, node: str, source: str | None = 
     at the same path on every node (a shared filesystem, or the same deployment). `options` are
     passed on as given (verify: --full, --subset N/T)."""
     argv = [command, "--node", node, "--json", "--manifest", os.path.abspath(manifest.path)]
-    rank = manifest.nodes[node].rank
-    if command == "pack-engram" and rank is not None:
-        argv += ["--rank", str(rank)]
+    if command == "pack-engram":
+        argv += [arg for rank in manifest.nodes[node].engram_ranks or () for arg in ("--rank", str(rank))]
     if source:
         argv += ["--source", source]
     return argv + list(options)
