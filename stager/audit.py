@@ -56,8 +56,8 @@ TOP_RECLAIMABLE = 10
 ORPHAN_KINDS = ("blob", "shared-blob", "shard", "temp")
 REPO_KINDS = ("models", "datasets", "spaces")
 PROC_LOCKS = "/proc/locks"
-# stager.engram.LOCK_NAME, spelled out so that an audit does not import numpy (a third of a second
-# on every run); tests/test_audit_live.py checks that the two agree.
+# pack-engram's lock, spelled out so that an audit does not import numpy (a third of a second on
+# every run); tests/test_audit_live.py checks that the real packer refuses while it is held.
 ENGRAM_LOCK = ".locks/engram.lock"
 
 

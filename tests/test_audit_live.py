@@ -253,7 +253,21 @@ def test_entries_vanishing_during_the_scan_are_skipped(demo):
         assert re.match(r"STAGE (OK|WARNING|CRITICAL): dgx1: ", status), status
 
 
-def test_the_engram_lock_name_is_the_packers():
-    from stager import audit, engram
-
-    assert audit.ENGRAM_LOCK == engram.LOCK_NAME
+@pytest.mark.parametrize("writer", ["mirror", "pack-engram", "archive"])
+def test_the_locks_the_audit_checks_are_the_writers_own(demo, writer):
+    """While a process holds the lock the audit checks for a writer, that real writer refuses
+    with exit 3 naming the same lock file: the audit and the writers agree on the names."""
+    lock, _temp = writer_case(demo, writer)
+    manifest = ["--node", "dgx1", "--manifest", str(demo["manifest"])]
+    if writer == "archive":
+        source = demo["root"] / "old" / "engram"
+        source.mkdir(parents=True)
+        (source / "engram-l1-r0of2.bin").write_bytes(b"x" * 1000)
+        command = ["archive", str(source), str(demo["root"] / "nvme")]
+    else:
+        command = [writer, *(["--rank", "0", "--from-nas"] if writer == "pack-engram" else []), *manifest]
+    with holding(lock) as holder:
+        refused = run_stage(*command)
+    assert refused.code == 3, refused.stdout + refused.stderr
+    assert f"locked by another stage process (pid {holder.pid})" in refused.stderr
+    assert str(lock) in refused.stderr
