@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from stager.atomic import AtomicFile
-from stager.source import LocalReader, reaching
+from stager.source import DIRECT_ALIGN, LocalReader, aligned_buffer, reaching, reopen_direct
 
 BUFFER_BYTES = 8 * 1024 * 1024
 BUFFERS = 3
@@ -59,10 +59,43 @@ def _copy_range(reader: LocalReader, out: AtomicFile, size: int, progress) -> bo
     return True
 
 
+class _Writer:
+    """Writes at explicit offsets: block-aligned pieces through an O_DIRECT descriptor of the temp
+    file (no page-cache copy, nothing to reclaim), the rest through the page cache."""
+
+    def __init__(self, out: AtomicFile):
+        self.out = out
+        self.direct = reopen_direct(out.fd, os.O_WRONLY)
+
+    def write(self, view: memoryview, offset: int) -> bool:
+        """Write all of `view` at `offset`. True if it went around the page cache."""
+        if self.direct >= 0 and offset % DIRECT_ALIGN == 0 and len(view) % DIRECT_ALIGN == 0:
+            try:
+                _pwrite_all(self.direct, view, offset)
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.close()  # this device refuses O_DIRECT after all: the page cache it is
+        _pwrite_all(self.out.fd, view, offset)
+        return False
+
+    def close(self) -> None:
+        if self.direct >= 0:
+            os.close(self.direct)
+            self.direct = -1
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
 def _pipeline(reader, out: AtomicFile, size: int, hasher, progress) -> None:
     free: queue.Queue = queue.Queue()
     for _ in range(BUFFERS):
-        free.put(bytearray(BUFFER_BYTES))
+        free.put(aligned_buffer(BUFFER_BYTES))
     filled: queue.Queue = queue.Queue()
 
     def read_loop() -> None:
@@ -84,6 +117,7 @@ def _pipeline(reader, out: AtomicFile, size: int, hasher, progress) -> None:
 
     thread = threading.Thread(target=read_loop, name="stage-read", daemon=True)
     thread.start()
+    writer = _Writer(out)
     written = flushed = 0
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="stage-hash") as hash_pool:
@@ -96,7 +130,8 @@ def _pipeline(reader, out: AtomicFile, size: int, hasher, progress) -> None:
                 buffer, got = item
                 view = memoryview(buffer)[:got]
                 hashing = hash_pool.submit(hasher.update, view) if hasher is not None else None
-                out.write(view)
+                if writer.write(view, written):
+                    flushed = written + got  # nothing of it waits in the page cache
                 written += got
                 if written - flushed >= WRITEBACK_BYTES:
                     _queue_writeback(out.fd, flushed, written - flushed)
@@ -109,6 +144,7 @@ def _pipeline(reader, out: AtomicFile, size: int, hasher, progress) -> None:
     finally:
         free.put(None)  # wakes the reader if the writer stopped early
         thread.join()
+        writer.close()
 
 
 def _queue_writeback(fd: int, offset: int, length: int) -> None:

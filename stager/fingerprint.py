@@ -25,6 +25,7 @@ import blake3
 import xxhash
 
 from stager.hub import GIT_SHA1_NAME, SHA256_NAME, Entry
+from stager.source import aligned_buffer
 
 HEAD_BYTES = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024 * 1024
@@ -156,8 +157,7 @@ def full_digest(reader, method: str, on_bytes: Callable[[int], None] | None = No
     try:
         size = reader.size
         hasher = new_hasher(method, size)
-        buffer = bytearray(FULL_CHUNK)
-        view = memoryview(buffer)
+        view = memoryview(aligned_buffer(FULL_CHUNK))  # aligned: a direct reader fills it without a copy
         done = 0
         while done < size:
             got = reader.readinto(view)

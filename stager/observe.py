@@ -48,7 +48,7 @@ class DigestCache:
             if not fresh and key in self._digests:
                 return self._digests[key]
         try:
-            reader = self.source.open(rel, uncached=True)
+            reader = self.source.open(rel, uncached=True, sequential=not method.startswith("sampled"))
         except OSError as exc:
             return Digest(method, None, None, exc.strerror or str(exc))
         try:
@@ -94,7 +94,7 @@ def expected_digest(cache: DigestCache, source_rel: str, reference: Reference, f
 
 def local_digest(path: Path, reference: Reference, seed: int, full: bool) -> Digest:
     try:
-        reader = LocalReader(str(path), uncached=False)
+        reader = LocalReader(str(path), uncached=False, direct=full)
     except OSError as exc:
         return Digest(reference.method if full else f"sampled:{seed}", None, None, exc.strerror or str(exc))
     try:
