@@ -85,11 +85,14 @@ def writer_case(demo: dict, writer: str) -> tuple[Path, Path]:
         return hub / ".locks" / "stager.lock", old_temp(hub / FLASH_BLOBS / f".{'f' * 64}.stage-0123abcd.tmp")
     if writer == "pack-engram":
         return engram / ".locks" / "engram.lock", old_temp(engram / ".engram-l1-r0of3.bin.stage-89abcdef.tmp")
+    if writer == "huggingface_hub":  # a download stalled for two days, its process still alive
+        return (hub / ".locks" / "models--acme--Flash-3bpw" / f"{'e' * 64}.lock",
+                old_temp(hub / FLASH_BLOBS / f"{'e' * 64}.incomplete"))
     # `stage archive /old/engram <root>/nvme` copies into <root>/nvme/engram, under its own lock in DEST.
     return demo["root"] / "nvme" / ".stage-archive.lock", old_temp(engram / ".engram-l1-r0of2.bin.stage-0badcafe.tmp")
 
 
-@pytest.mark.parametrize("writer", ["mirror", "pack-engram", "archive"])
+@pytest.mark.parametrize("writer", ["mirror", "pack-engram", "archive", "huggingface_hub"])
 def test_a_live_writers_temp_file_is_not_interrupted_until_the_writer_exits(demo, writer):
     lock, temp = writer_case(demo, writer)
     with holding(lock) as holder:
