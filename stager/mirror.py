@@ -165,7 +165,7 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, progress_factory: Callabl
         return _summarize(report, plan, started)
     with _hub_lock(job) as writable:
         seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs,
-                       sources=job.never_write)
+                       sources=job.never_write, progress_factory=progress_factory)
         plan = make_plan(snapshots, seen.local, seen.meta_content, str(job.local_hub))
         _summarize(report, plan, started)
         if not writable and plan.writes:
@@ -230,12 +230,13 @@ def _summarize(report: MirrorReport, plan: Plan, started: float) -> MirrorReport
     return report
 
 
-def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source | None = None) -> VerifyReport:
+def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source | None = None,
+           progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> VerifyReport:
     reference = reference or reference_source(job)
     snapshots = walk(job, reference)
     cache = DigestCache(reference, job.seed)
     report = verify_snapshots(reference, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs,
-                              sources=job.never_write)
+                              sources=job.never_write, progress_factory=progress_factory)
     report.problems[:0] = [p for s in snapshots for p in s.problems]
     report.against = reference.url
     if report.problems:

@@ -15,6 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from stager import identity
 from stager.fingerprint import Digest, Reference, full_digest, judge, sampled_digest
@@ -92,13 +93,14 @@ def expected_digest(cache: DigestCache, source_rel: str, reference: Reference, f
     return cache.full(source_rel, reference.method, fresh=fresh)
 
 
-def local_digest(path: Path, reference: Reference, seed: int, full: bool) -> Digest:
+def local_digest(path: Path, reference: Reference, seed: int, full: bool,
+                 on_bytes: Callable[[int], None] | None = None) -> Digest:
     try:
         reader = LocalReader(str(path), uncached=False, direct=full)
     except OSError as exc:
         return Digest(reference.method if full else f"sampled:{seed}", None, None, exc.strerror or str(exc))
     try:
-        return full_digest(reader, reference.method) if full else sampled_digest(reader, seed)
+        return full_digest(reader, reference.method, on_bytes) if full else sampled_digest(reader, seed)
     finally:
         reader.close()
 
@@ -110,9 +112,13 @@ class Observation:
 
 
 def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cache: DigestCache,
-            *, full: bool, jobs: int, sources: tuple[str, ...] = ()) -> Observation:
+            *, full: bool, jobs: int, sources: tuple[str, ...] = (),
+            progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> Observation:
+    """`progress_factory` gets a bar for the bytes of local files hashed in full (a warm
+    `mirror --full` re-reads every staged byte before it knows what to copy)."""
     local: dict[str, LocalState] = {}
     finals = final_files(snapshots)
+    progress = progress_factory(sum(e.size for e, _ in finals.values())) if full and progress_factory else None
     root = os.path.realpath(local_hub)
     elsewhere = functools.lru_cache(maxsize=None)(lambda real_dir: _elsewhere(real_dir, root, sources))
 
@@ -123,9 +129,11 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
             # Reached through a directory link or mount into the NAS: the NAS's own file, never kept.
             return dest, LocalState("remote")
         if state.kind == "file" and state.size == entry.size:
-            mine = local_digest(local_hub / dest, reference, cache.seed, full)
+            mine = local_digest(local_hub / dest, reference, cache.seed, full, progress)
             theirs = expected_digest(cache, entry.final, reference, full)
             state = LocalState("file", state.size, state.inode, verdict=judge(mine, theirs))
+        elif progress:
+            progress(entry.size)  # nothing to hash here: the bar still ends at its total
         return dest, state
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:

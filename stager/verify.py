@@ -13,6 +13,7 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import xxhash
 
@@ -150,7 +151,8 @@ def _outside(real_dir: str, root: str, sources: tuple[str, ...]) -> str | None:
 
 def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cache: DigestCache, *,
                      full: bool, subset: Subset | None = None, jobs: int = 4,
-                     sources: tuple[str, ...] = ()) -> VerifyReport:
+                     sources: tuple[str, ...] = (),
+                     progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> VerifyReport:
     """Structure (every entry, whatever the subset), then content (the subset's entries only)."""
     report = VerifyReport("full" if full else "sampled", None if full else cache.seed,
                           subset=str(subset) if subset else None)
@@ -172,9 +174,14 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
                 report.ok += 1  # structure checked; content is another subset's turn
         report.checked += _check_metadata(source, local_hub, snap, report)
 
+    progress = progress_factory(sum(entry.size for entry, _, _ in work)) if progress_factory else None
+
     def content(item):
         entry, snap, final = item
-        return item, _check_content(local_hub, entry, snap, final, cache, full)
+        outcome = _check_content(local_hub, entry, snap, final, cache, full, progress if full else None)
+        if progress and not full:
+            progress(entry.size)
+        return item, outcome
 
     report.content_checked += len(work)
     with ThreadPoolExecutor(max(1, jobs)) as pool:
@@ -189,7 +196,7 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
 
 
 def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str, cache: DigestCache,
-                   full: bool) -> tuple[Problem | None, bool]:
+                   full: bool, on_bytes: Callable[[int], None] | None = None) -> tuple[Problem | None, bool]:
     path = local_hub / final
     reference = reference_for(entry, snap.tree_listing)
     try:
@@ -199,7 +206,7 @@ def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str
     if size != entry.size:
         return Problem(str(local_hub / entry.rel), "mismatch", f"size {size} != source size {entry.size}"), False
     method = reference.method if full else f"sampled:{cache.seed}"
-    mine = cache.written(path, method) or local_digest(path, reference, cache.seed, full)
+    mine = cache.written(path, method) or local_digest(path, reference, cache.seed, full, on_bytes)
     verdict = judge(mine, expected_digest(cache, entry.final, reference, full))
     if verdict is Verdict.DIFFER:
         # A mismatch is read again from both sides before it is believed (flaky NFS reads happen).

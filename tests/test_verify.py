@@ -195,3 +195,35 @@ def test_could_not_check_is_never_equal():
     assert judge(Digest("sha256", 3, "ab"), Digest("blake3", 3, "ab")) is Verdict.UNCHECKED
     assert judge(Digest("sha256", 3, "ab"), Digest("sha256", 4, "ab")) is Verdict.DIFFER
     assert judge(Digest("sha256", 3, "ab"), Digest("sha256", None, "ab")) is Verdict.MATCH
+
+
+def _on_a_terminal(*args: str) -> tuple[int, str]:
+    """Run `stage` with stderr on a real pseudo-terminal; returns (exit code, what the terminal showed)."""
+    import pty
+    import subprocess
+    import sys
+
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "stager", *args], stdout=subprocess.DEVNULL, stderr=terminal)
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the child closed its side
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    return proc.wait(timeout=60), shown.decode(errors="replace")
+
+
+@pytest.mark.parametrize("args", [("verify",), ("verify", "--full"), ("mirror", "--full")])
+def test_a_byte_progress_bar_on_a_terminal_and_none_in_a_pipe(staged, args):
+    """`verify --full` sat silent for as long as it hashed; a warm `mirror --full` re-hashes too."""
+    code, shown = _on_a_terminal(*args, "--node", "dgx1", "--manifest", str(staged["manifest"]))
+    assert code == 0, shown
+    assert "100%|" in shown and "B/s" in shown, shown
+    piped = run_stage(*args, "--node", "dgx1", "--manifest", staged["manifest"])
+    assert "%|" not in piped.stderr and "B/s" not in piped.stderr

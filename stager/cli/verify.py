@@ -34,7 +34,7 @@ def verify(
         raise BadInput(str(exc)) from None
     loaded = load_manifest(manifest)
     job = core.node_job(loaded, node, None, jobs=jobs or core.default_jobs(), seed=seed)
-    report = core.verify(job, full=full, subset=chosen)
+    report = core.verify(job, full=full, subset=chosen, progress_factory=terminal.byte_progress(not json, "verify"))
     if loaded.engram is not None and loaded.node(node).engram_dir:
         from stager.engram import verify_engram  # numpy and the shard code, only where shards are
 
