@@ -1,0 +1,84 @@
+"""The manifest means one thing: wrong types, fractional bytes, duplicates and NUL bytes exit 2,
+naming the file and every offending key on one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import run_stage
+
+BASE = '''[nas]
+hub = "/mnt/nas/hf/hub"
+
+[models."acme/Flash"]
+revision = "main"
+
+[nodes.dgx1]
+hub = "/nvme/hf/hub"
+models = ["acme/Flash"]
+'''
+
+
+def stage_with(tmp_path: Path, text: str, *args: str):
+    manifest = tmp_path / "cluster.toml"
+    manifest.write_text(text)
+    return manifest, run_stage(*(args or ("mirror", "--node", "dgx1", "--dry-run")), "--manifest", manifest)
+
+
+@pytest.mark.parametrize("line, key", [
+    ("reserve = 1.5", "nodes.dgx1.reserve"),          # once silently 1 byte
+    ('reserve = "1.5"', "nodes.dgx1.reserve"),        # a fractional byte count
+    ('reserve = "20 parsecs"', "nodes.dgx1.reserve"),
+    ("reserve = true", "nodes.dgx1.reserve"),
+    ('rank = "2"', "nodes.dgx1.rank"),                 # a count given as a string
+])
+def test_a_value_of_the_wrong_kind_exits_2_naming_the_key(tmp_path, line, key):
+    manifest, result = stage_with(tmp_path, BASE.replace('models = ["acme/Flash"]', f'models = ["acme/Flash"]\n{line}'))
+    assert result.code == 2, result.stderr
+    assert f"{manifest}: " in result.stderr and key in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_world_as_a_string_exits_2(tmp_path):
+    text = BASE + '\n[engram]\nmodel = "acme/Flash"\nworld = "3"\n'
+    _, result = stage_with(tmp_path, text)
+    assert result.code == 2 and "engram.world" in result.stderr
+
+
+@pytest.mark.parametrize("reserve, expected", [("1048576", 1048576), ('"20GiB"', 20 * 1024**3), ('"500MB"', 500 * 1000**2)])
+def test_a_bare_integer_is_bytes_and_units_mean_what_df_means(reserve, expected):
+    from stager.manifest import NodeConfig
+    import tomllib
+
+    node = NodeConfig.model_validate(tomllib.loads(f'hub = "/nvme"\nreserve = {reserve}\n'))
+    assert node.reserve == expected
+    assert NodeConfig.model_validate({"hub": "/nvme"}).reserve == 0  # the documented default
+
+
+def test_a_model_listed_twice_for_a_node_exits_2(tmp_path):
+    _, result = stage_with(tmp_path, BASE.replace('models = ["acme/Flash"]', 'models = ["acme/Flash", "acme/Flash"]'))
+    assert result.code == 2 and "nodes.dgx1.models" in result.stderr and "more than once" in result.stderr
+
+
+def test_every_problem_is_listed(tmp_path):
+    text = BASE.replace('models = ["acme/Flash"]', 'models = ["acme/Flash", "acme/Flash"]\nreserve = 1.5\nexlcude = []')
+    _, result = stage_with(tmp_path, text)
+    assert result.code == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and "more)" not in line
+    for key in ("nodes.dgx1.models", "nodes.dgx1.reserve", "nodes.dgx1.exlcude"):
+        assert key in line, line
+
+
+@pytest.mark.parametrize("where", ["revision", "hub", "key"])
+def test_a_nul_byte_in_a_manifest_string_exits_2(tmp_path, where):
+    if where == "revision":
+        text = BASE.replace('revision = "main"', 'revision = "ma\\u0000in"')
+    elif where == "hub":
+        text = BASE.replace('hub = "/nvme/hf/hub"', 'hub = "/nvme/hf\\u0000/hub"')
+    else:
+        text = BASE.replace('[models."acme/Flash"]', '[models."acme/Fl\\u0000ash"]')
+    _, result = stage_with(tmp_path, text)
+    assert result.code == 2 and "NUL" in result.stderr and "Traceback" not in result.stderr
