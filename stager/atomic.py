@@ -92,10 +92,8 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
     `chmod` sets an exact mode (no umask) before the rename, e.g. a read-only payload.
     """
     path = Path(path)
-    temp = temp_path_for(path)
-    fd = -1
+    fd, temp = _create_temp(path, mode)
     try:
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         if size_hint > 0:
             _preallocate(fd, size_hint)
         handle = AtomicFile(path, temp, fd)
@@ -123,6 +121,22 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
     except BaseException:
         _discard(fd, temp)
         raise
+
+
+def _create_temp(path: Path, mode: int) -> tuple[int, Path]:
+    """A new temp file beside `path`, created exclusively. A name already taken (a planted link,
+    another writer's file) is left alone and another name tried: deleting it would remove
+    something this run did not make."""
+    for _ in range(8):
+        temp = temp_path_for(path)
+        try:
+            return os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode), temp
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise_if_disk_full(exc, path)
+            raise
+    raise CannotRun(f"cannot create a temp file beside {path}: every name tried exists")
 
 
 class SyncBatch:
