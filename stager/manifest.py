@@ -76,6 +76,8 @@ class NodeConfig(_Strict):
     models: list[str] = Field(default_factory=list)
     engram_dir: str | None = None
     rank: int | None = Field(default=None, ge=0)
+    ranks: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, description="The TP ranks this node "
+                                                            "serves, one per GPU; `rank` for a single one")
     source: str | None = Field(default=None, description="Overrides nas.hub as this node's source")
     address: str | None = Field(default=None, description="[user@]host[:port]: where peers reach this node's "
                                 "hub over SFTP (`stage fleet mirror --fan-out`)")
@@ -101,6 +103,27 @@ class NodeConfig(_Strict):
         if path is not None and not os.path.isabs(path):
             raise ValueError(f"expected an absolute path, got {path!r}")
         return path
+
+    @field_validator("ranks")
+    @classmethod
+    def _ranks_once(cls, ranks: list[int] | None) -> list[int] | None:
+        if ranks is not None and not ranks:
+            raise ValueError("an empty list serves no rank; leave ranks out to serve every rank")
+        twice = sorted({r for r in ranks or () if ranks.count(r) > 1})
+        if twice:
+            raise ValueError(f"rank {twice[0]} listed more than once")
+        return ranks
+
+    @model_validator(mode="after")
+    def _rank_or_ranks(self) -> "NodeConfig":
+        if self.rank is not None and self.ranks is not None:
+            raise ValueError("rank and ranks are both set; keep one (ranks = [...] for several)")
+        return self
+
+    @property
+    def engram_ranks(self) -> list[int] | None:
+        """The TP ranks this node serves (`ranks`, else `rank`); None when neither is set."""
+        return self.ranks if self.ranks is not None else None if self.rank is None else [self.rank]
 
 
 class EngramConfig(_Strict):

@@ -1,4 +1,4 @@
-"""`stage pack-engram --rank R`: pack the node's Engram row shards from its staged checkpoint."""
+"""`stage pack-engram [--rank R]...`: pack the node's Engram row shards from its staged checkpoint."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from stager.errors import StageError
 
 @app.command("pack-engram")
 def pack_engram(
-    rank: Annotated[Optional[int], typer.Option("--rank", "-r", help="TP rank [default: nodes.X.rank, else every rank]")] = None,
+    rank: Annotated[Optional[list[int]], typer.Option(
+        "--rank", "-r", help="TP rank (repeatable) [default: nodes.X.ranks or nodes.X.rank, else every rank]")] = None,
     node: OptionalNodeOpt = None,
     world: Annotated[Optional[int], typer.Option("--world", help="TP size [default: engram.world]")] = None,
     layer: Annotated[Optional[list[int]], typer.Option("--layer", help="Only this layer (repeatable)")] = None,
@@ -21,14 +22,15 @@ def pack_engram(
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
 ) -> None:
-    """Write engram-l{L}-r{R}of{TP}.bin shards, their receipts and SHA256SUMS; skip shards that match."""
+    """Write engram-l{L}-r{R}of{TP}.bin shards for every rank of the node in one pass over each table,
+    their receipts and SHA256SUMS; skip shards that match."""
     from stager import engram
     from stager.manifest import load_manifest
 
     loaded = load_manifest(manifest)
     try:
         name = engram.choose_node(loaded, node)
-        report = engram.pack(loaded, name, rank=rank, world=world, layers=layer, from_nas=from_nas,
+        report = engram.pack(loaded, name, ranks=rank, world=world, layers=layer, from_nas=from_nas,
                              progress_factory=terminal.byte_progress(not json, "pack-engram"))
     except StageError as exc:
         # The message names tensors and files from the checkpoint: a newline in one must not
