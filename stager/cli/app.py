@@ -125,7 +125,12 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
     except typer.TyperException as exc:  # usage: unknown option, missing --node, ...
         if not hasattr(exc, "show"):
             return EXIT_BAD_INPUT, f"error: {exc.format_message()}", exc.format_message()
-        exc.show()  # "Usage: ... Try 'stage X -h' for help. Error: ..." on stderr
+        try:
+            exc.show()  # "Usage: ... Try 'stage X -h' for help. Error: ..." on stderr
+        except BrokenPipeError:
+            from stager.cli import terminal
+
+            terminal.discard(sys.stderr)
         return EXIT_BAD_INPUT, None, exc.format_message()
     except StageError as exc:
         return exc.exit_code, f"error: {exc.message}", exc.message

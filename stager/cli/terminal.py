@@ -59,11 +59,16 @@ def _write(stream, text: str) -> None:
         stream.write(text)
         stream.flush()
     except BrokenPipeError:
-        null = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(null, stream.fileno())
-        finally:
-            os.close(null)
+        discard(stream)
+
+
+def discard(stream) -> None:
+    """Point `stream` at /dev/null: its reader is gone, and later writes and the final flush succeed."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, stream.fileno())
+    finally:
+        os.close(null)
 
 
 def count(n: int, noun: str, plural: str | None = None) -> str:
