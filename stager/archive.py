@@ -79,7 +79,6 @@ class SourceFile:
 @dataclass(frozen=True)
 class Walked:
     files: tuple[SourceFile, ...]
-    groups: tuple[Path, ...]  # SRC directories
     skipped: tuple[Problem, ...]  # found inside a SRC directory and left in place
     problems: tuple[Problem, ...]  # named on the command line and not archivable
     already_archived: tuple[str, ...]  # SRC gone, and DEST's journal says it was moved there
@@ -237,10 +236,9 @@ def walk_sources(named: list[Path], dest: Path) -> Walked:
             problems.append(Problem(str(src), "not_a_file", "a FIFO, socket or device cannot be archived"))
     for receipt in receipts:
         files.setdefault(receipt.name, receipt)
-    for parent in {f.group for f in files.values()} - set(groups):
+    for parent in {f.group for f in files.values()} - set(groups):  # a named file's directory
         leftovers.extend(Path(e.path) for e in _scandir(parent) if _record_temp(e.name))
-    return Walked(tuple(files.values()), tuple(groups), tuple(skipped), tuple(problems), tuple(done),
-                  tuple(leftovers))
+    return Walked(tuple(files.values()), tuple(skipped), tuple(problems), tuple(done), tuple(leftovers))
 
 
 def _receipt(shard: Path, dest: Path) -> list[SourceFile]:
