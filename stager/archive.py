@@ -36,10 +36,10 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from stager.atomic import TEMP_MARK, atomic_file, ensure_dir, fsync_dir, is_temp_name, sweep_temps
-from stager.copier import copy_into
+from stager.copier import SourceChanged, copy_into
 from stager.errors import BadInput, CannotRun
 from stager.fingerprint import Digest, Verdict, full_digest, judge
 from stager.hub import Problem
@@ -406,16 +406,17 @@ def refuse_linked_records(walked: Walked, dest: Path) -> None:
     """Exit 3 before anything is copied when a record this run writes is a symlink (the writes would
     replace the link, but a link planted there is an attack or a mistake worth stopping for)."""
     paths = [dest / SUMS_NAME, dest / JOURNAL_NAME, *(g / MOVED_NAME for g in {f.group for f in walked.files}),
-             *(d / SUMS_NAME for d in {d for f in walked.files for d in _dirs_up_to_group(f)})]
+             *(d / SUMS_NAME for d in {d for f in walked.files for d in _between(f.path.parent, f.group)})]
     for path in paths:
         if os.path.islink(path):
             raise CannotRun(f"{path} is a symlink to {os.readlink(path)}; refusing to write a record through it")
 
 
-def _dirs_up_to_group(file: SourceFile) -> list[Path]:
-    """The directories whose SHA256SUMS may list `file`: its own, up to its group."""
-    dirs = [file.path.parent]
-    while dirs[-1] != file.group and dirs[-1] != dirs[-1].parent:
+def _between(directory: Path, group: Path) -> list[Path]:
+    """`directory` and its parents up to `group`, both included: where a SHA256SUMS may list a
+    file of `directory`, and what a move out of it may empty."""
+    dirs = [directory]
+    while dirs[-1] != group and dirs[-1] != dirs[-1].parent:
         dirs.append(dirs[-1].parent)
     return dirs
 
@@ -479,7 +480,7 @@ def copy_verified(file: SourceFile, target: Path,
             back = _sha256(out.temp, uncached=True)
             if judge(source, back) is not Verdict.MATCH:
                 raise _Refused("mismatch", f"the copy read back from DEST does not match the source "
-                                f"(sha256 {back.value or back.error} != {source.value})")
+                                           f"(sha256 {back.value or back.error} != {source.value})")
             st = os.fstat(out.fd)
     return source.value, (st.st_dev, st.st_ino)
 
@@ -537,22 +538,22 @@ def archive(sources: list[str], dest: str, *, protected: tuple[str, ...] = (),
         mover = _Mover(dest_dir, report)
         for batch in _batches(steps):
             mover.move(batch, progress)
-        _prune_emptied_dirs(mover.deleted)
         report.moved_txt = sorted(mover.moved_txt)
     report.seconds = time.monotonic() - started
     return report
 
 
-def _batches(steps: list[Step]) -> list[list[Step]]:
-    batches: list[list[Step]] = [[]]
-    size = 0
+def _batches(steps: list[Step]) -> Iterator[list[Step]]:
+    """Consecutive steps of about BATCH_BYTES (a larger file is a batch of its own)."""
+    batch, size = [], 0
     for step in steps:
-        if batches[-1] and size >= BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(step)
+        batch.append(step)
         size += step.file.size
-    return [batch for batch in batches if batch]
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 class _Mover:
@@ -562,7 +563,6 @@ class _Mover:
         self.dest = dest
         self.report = report
         self.host = socket.gethostname()
-        self.deleted: list[SourceFile] = []
         self.moved_txt: set[str] = set()
 
     def _problem(self, path: Path, kind: str, detail: str) -> None:
@@ -576,7 +576,8 @@ class _Mover:
             except _Refused as exc:
                 self._problem(step.file.path, exc.kind, exc.detail)
             except OSError as exc:
-                self._problem(step.file.path, "unreadable", exc.strerror or str(exc))
+                kind = "changed" if isinstance(exc, SourceChanged) else "unreadable"
+                self._problem(step.file.path, kind, exc.strerror or str(exc))
         for directory in {p.target.parent for p in placed if p.how == "copied"}:
             fsync_dir(directory)  # the renames are durable before SHA256SUMS names them
         placed = self._still_archivable(placed)
@@ -597,7 +598,8 @@ class _Mover:
             if self._record_in_source(group, members):
                 for p in members:
                     moved[p.file.path]["source_deleted"] = self._delete(p)
-        for directory in {p.file.path.parent for p in placed if moved[p.file.path]["source_deleted"]}:
+        # The deletes, and the removals of the directories they emptied, are durable.
+        for directory in {_existing(p.file.path.parent) for p in placed if moved[p.file.path]["source_deleted"]}:
             fsync_dir(directory)
 
     def _still_archivable(self, placed: list[Placed]) -> list[Placed]:
@@ -632,7 +634,7 @@ class _Mover:
         try:
             append_moved(record, block)
             self.moved_txt.add(str(record))
-            for directory in sorted({d for p in members for d in _dirs_up_to_group(p.file)}):
+            for directory in sorted({d for p in members for d in _between(p.file.path.parent, group)}):
                 record = directory / SUMS_NAME
                 drop_from_sums(record, gone)
         except (OSError, CannotRun) as exc:
@@ -655,17 +657,14 @@ class _Mover:
             self._problem(placed.file.path, "not_deleted",
                           f"copied and verified, but the source could not be deleted: {exc.strerror or exc}")
             return False
-        self.deleted.append(placed.file)
+        # The directories it emptied go with it, at once: a kill between this and a prune at the
+        # end left them to a re-run that cannot tell them from directories that were empty before.
+        for directory in _between(placed.file.path.parent, placed.file.group)[:-1]:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break  # still holds something (or was never ours to remove)
         return True
-
-
-def _prune_emptied_dirs(deleted: list[SourceFile]) -> None:
-    """Subdirectories this run emptied go; directories that were empty before stay, and so does
-    each SRC directory, holding its MOVED.txt."""
-    emptied = {d for f in deleted for d in _dirs_up_to_group(f) if d != f.group}
-    for directory in sorted(emptied, key=lambda d: len(d.parts), reverse=True):
-        with contextlib.suppress(OSError):
-            os.rmdir(directory)
 
 
 def _same_filesystem_notes(walked: Walked, dest: Path) -> list[str]:

@@ -454,3 +454,28 @@ def test_every_printed_line_is_one_line(tmp_path):
     assert sha256_file(dest / "old\nshards" / "a\nb.bin") == expected
     refused = run_stage("archive", dest, dest)
     assert refused.code == 2 and len((refused.stdout + refused.stderr).strip().splitlines()) == 1
+
+
+def test_each_batch_writes_its_records_once_and_the_run_converges(tmp_path, monkeypatch):
+    """Batches of about BATCH_BYTES (made small here): SHA256SUMS once per batch, one MOVED.txt
+    section per batch, every source gone and every byte in DEST."""
+    from stager import archive as core
+
+    written = []
+    real = core.update_sums
+    monkeypatch.setattr(core, "BATCH_BYTES", 1000)
+    monkeypatch.setattr(core, "update_sums", lambda path, entries: (written.append(sorted(entries)),
+                                                                    real(path, entries))[1])
+    src = tmp_path / "tp2"
+    sums = {f"sub{i % 2}/f{i}.bin": write(src / f"sub{i % 2}" / f"f{i}.bin", os.urandom(600)) for i in range(7)}
+    dest = tmp_path / "archive"
+    dest.mkdir()
+    report = core.archive([str(src)], str(dest))
+    assert not report.problems and len(report.moved) == 7
+    assert [len(batch) for batch in written] == [2, 2, 2, 1]
+    assert sorted(n for batch in written for n in batch) == sorted(f"tp2/{n}" for n in sums)
+    sha256sum_check(dest)
+    blocks = parse_moved((src / "MOVED.txt").read_text())
+    assert [len(b["entries"]) for b in blocks] == [2, 2, 2, 1]
+    assert {n: e[0] for b in blocks for n, e in b["entries"].items()} == sums
+    assert sorted(p.name for p in src.iterdir()) == ["MOVED.txt"]
