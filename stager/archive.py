@@ -40,6 +40,7 @@ from typing import Callable, Iterator
 
 from stager.atomic import TEMP_MARK, atomic_file, ensure_dir, fsync_dir, is_temp_name, sweep_temps
 from stager.copier import SourceChanged, copy_into
+from stager.engram.shard_format import parse_shard_name
 from stager.errors import BadInput, CannotRun
 from stager.fingerprint import Digest, Verdict, full_digest, judge
 from stager.hub import Problem
@@ -242,10 +243,8 @@ def walk_sources(named: list[Path], dest: Path) -> Walked:
 
 
 def _receipt(shard: Path, dest: Path) -> list[SourceFile]:
-    """An Engram shard named on its own takes its receipt along (engram.ShardSpec.receipt): left
-    behind, the receipt would describe a shard that is no longer there."""
-    from stager.engram import parse_shard_name  # numpy: only when a file is named
-
+    """An Engram shard named on its own takes its receipt along (ShardSpec.receipt): left behind,
+    the receipt would describe a shard that is no longer there."""
     receipt = shard.with_suffix(".json")
     st = _lstat(receipt) if parse_shard_name(shard.name) else None
     if st is None or not stat.S_ISREG(st.st_mode):
