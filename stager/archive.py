@@ -492,6 +492,7 @@ def _place(step: Step, dest: Path, progress) -> Placed:
         _still_the_copy(file, target, step.dest_id)
         return Placed(file, target, step.sha256, "adopted", step.dest_id)
     if os.path.lexists(target):
+        _still_the_copy(file, target, file_id(target, follow=False))  # same_file, if it is the source
         raise _Refused("collision", f"{target} appeared while archiving; nothing was overwritten")
     sha256, dest_id = copy_verified(file, target, progress)
     return Placed(file, target, sha256, "copied", dest_id)

@@ -83,8 +83,8 @@ def test_dest_subdirectory_bind_mounted_onto_the_source_is_refused(tmp_path):
 
 
 def test_dest_on_the_nas_is_refused_however_spelled(tmp_path):
-    """With a manifest ($STAGE_MANIFEST here), DEST must not be, or lie in, nas.hub or an alias
-    target: reached through a bind mount, a symlink, or `..` after a link."""
+    """With a manifest (--manifest, or $STAGE_MANIFEST), DEST must not be, or lie in, nas.hub or an
+    alias target: reached through a bind mount, a symlink, or `..` after a link."""
     staging = build_staging(tmp_path, shards=1, shard_bytes=4096)
     alias_target = tmp_path / "nas-alias" / "hub"
     alias_target.mkdir(parents=True)
@@ -97,12 +97,13 @@ def test_dest_on_the_nas_is_refused_however_spelled(tmp_path):
     links.mkdir()
     os.symlink(alias_target, links / "to-alias")
     os.symlink(staging.nas / "models--acme--Weights", links / "into-nas")
-    env = {"STAGE_MANIFEST": str(staging.manifest)}
+    by_env = {"STAGE_MANIFEST": str(staging.manifest)}
     with bind(staging.nas, tmp_path / "nas-again") as nas_again:
-        for dest, named in [(nas_again / "models--acme--Weights", staging.nas),
-                            (links / "to-alias", alias_target),
-                            (links / "into-nas" / "blobs" / "..", staging.nas)]:
-            result = run_stage("archive", src, dest, env=env)
+        cases = [(nas_again / "models--acme--Weights", staging.nas, ["--manifest", str(staging.manifest)], None),
+                 (links / "to-alias", alias_target, [], by_env),
+                 (links / "into-nas" / "blobs" / "..", staging.nas, [], by_env)]
+        for dest, named, options, env in cases:
+            result = run_stage("archive", src, dest, *options, env=env)
             assert result.code == 2, (dest, result.stdout + result.stderr)
             assert str(named) in one_error_line(result.stderr), dest
     assert hashes(staging.nas) == nas_before
