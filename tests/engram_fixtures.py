@@ -50,8 +50,8 @@ def build(tmp_path: Path, *, layers=(1, 14), rows=None, prefix="model.", world=3
         table += f'layout = "{layout}"\n'
     if manifest_heads:
         table += f"engram_head_rows = {json.dumps(manifest_heads)}\n"
-    manifest = write_manifest(tmp_path / "cluster.toml", nas.root, local, {FLASH: {"exclude": exclude}}, reserve=reserve,
-                              extra=node + table + extra_engram)
+    manifest = write_manifest(tmp_path / "cluster.toml", nas.root, local, {FLASH: {"exclude": exclude}},
+                              reserve=reserve, extra=node + table + extra_engram)
     if stage:
         job = mirror_core.node_job(load_manifest(manifest), "dgx1", None, jobs=2, seed=1)
         assert not mirror_core.mirror(job, full=False, dry_run=False).problems
@@ -171,7 +171,8 @@ def source_tables(source: Path) -> dict[str, tuple[int, list[int]]]:
             if name != "__metadata__"}
 
 
-def independent_bounds(rows: int, world: int, layout: str = "floor", heads: list[int] | None = None) -> list[tuple[int, int]]:
+def independent_bounds(rows: int, world: int, layout: str = "floor",
+                       heads: list[int] | None = None) -> list[tuple[int, int]]:
     """[lo, hi) of every rank, from the written definition (floor: rows*R//TP; heads: whole heads,
     rank R taking heads H*R//TP .. H*(R+1)//TP - 1)."""
     if layout == "floor":

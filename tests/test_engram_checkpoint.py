@@ -101,7 +101,8 @@ def test_an_index_naming_a_file_the_snapshot_lacks_exits_2(tmp_path, extra):
 
 def test_a_name_with_a_newline_stays_on_one_line(tmp_path):
     env = build(tmp_path, rows={1: 1_003, 14: 2_011}, stage=False)
-    rewrite_index(env, {f"model.layers.14.engram.embed.{part}": "bad\nname.safetensors" for part in ("weight", "scale")})
+    rewrite_index(env, {f"model.layers.14.engram.embed.{part}": "bad\nname.safetensors"
+                        for part in ("weight", "scale")})
     err = pack(env, "--rank", 0, code=2)["stderr"]
     line, = err.splitlines()
     assert "weight_map names bad\\nname.safetensors" in line, line

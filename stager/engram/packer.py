@@ -12,6 +12,7 @@ then rank 1's, and so on: an 8-rank node reads a 101 GB table once, not eight ti
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -35,10 +36,12 @@ from stager.lock import writer_lock
 from stager.manifest import Manifest
 from stager.mirror import free_bytes
 from stager.records import SUMS_NAME, read_sums, update_sums
+from stager.source import reopen_direct
 from stager.units import format_size
 
 LOCK_NAME = ".locks/engram.lock"
-WRITEBACK_BYTES = 32 * 1024 * 1024  # start writeback every 32 MiB, so the closing fsync has little left
+WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every 32 MiB
+DIRECT_BLOCK = 4096  # O_DIRECT writes: whole blocks of this size, from page-aligned memory, at aligned offsets
 
 
 @dataclass(frozen=True)
@@ -167,13 +170,16 @@ def pack_layer(checkpoint: Checkpoint, specs: list[ShardSpec], progress: Callabl
                 fsync_dir(spec.path.parent)
                 with atomic_file(spec.path, size_hint=spec.bytes) as out:
                     writer = _ShardWriter(spec, out.fd, hash_pool)
-                    if progress:
-                        progress(HEADER_BYTES)  # the bar's total is whole shards, headers included
-                    while writer.next_row < spec.hi:
-                        rows, first_row = next(chunks)
-                        writer.put(rows, first_row)
+                    try:
                         if progress:
-                            progress(len(rows))
+                            progress(HEADER_BYTES)  # the bar's total is whole shards, headers included
+                        while writer.next_row < spec.hi:
+                            rows, first_row = next(chunks)
+                            writer.put(rows, first_row)
+                            if progress:
+                                progress(len(rows))
+                    finally:
+                        writer.close()
                 done(spec, writer.hexdigest())
     finally:
         reader.close()
@@ -200,6 +206,7 @@ def pack_rows(checkpoint: Checkpoint, spec: ShardSpec, runs: list[tuple[int, int
                 for rows, first_row in chunks:
                     writer.put(rows, first_row)
         finally:
+            writer.close()
             reader.close()
     finally:
         os.close(fd)
@@ -207,17 +214,23 @@ def pack_rows(checkpoint: Checkpoint, spec: ShardSpec, runs: list[tuple[int, int
 
 class _ShardWriter:
     """One shard's bytes going into its file: positioned writes straight from the chunk buffers,
-    SHA-256 of exactly those buffers on a second thread while they are written (the bytes are
-    never read back), and writeback started every WRITEBACK_BYTES.
+    and SHA-256 of exactly those buffers on a second thread while they are written (the bytes
+    are never read back).
 
-    DONTNEED on dirty pages queues their writeback at once: without it the closing fsync waited
-    for the whole shard (0.5 s per GiB here), with it for the last 32 MiB."""
+    Whole 4 KiB blocks go through a second descriptor opened with O_DIRECT, from the page-aligned
+    chunk buffer to the disk: no copy into the page cache and no writeback to drive, which took
+    half of the command's system time (1.36 s -> 0.65 s per 2.15 GB here). Every chunk of a shard
+    starts 4 KiB-aligned (row_stream), so only a shard's last few rows are left for the ordinary
+    descriptor. Where O_DIRECT is refused (tmpfs, some FUSE), all writes are buffered, and every
+    WRITEBACK_BYTES the dirty range is handed to writeback (DONTNEED): without that the closing
+    fsync waited for the whole shard (0.5 s per GiB), with it for the last 32 MiB."""
 
     def __init__(self, spec: ShardSpec, fd: int, hash_pool: ThreadPoolExecutor | None):
         self.spec, self.fd, self.hash_pool = spec, fd, hash_pool
         header = spec.header()
         self.hasher = hashlib.sha256(header) if hash_pool else None
         _pwrite_all(fd, memoryview(header), 0)
+        self.direct = reopen_direct(fd, os.O_WRONLY)
         self.next_row = spec.lo
         self.flushed = HEADER_BYTES
 
@@ -227,15 +240,36 @@ class _ShardWriter:
         hashing = self.hash_pool.submit(self.hasher.update, rows) if self.hasher is not None else None
         offset = self.spec.offset(first_row)
         try:
-            _pwrite_all(self.fd, rows, offset)
+            direct = self._write_direct(rows, offset)
+            if direct < len(rows):
+                _pwrite_all(self.fd, rows[direct:], offset + direct)
         finally:
             if hashing is not None:
                 hashing.result()  # the buffer is refilled once this returns: the hash must be done with it
         self.next_row = first_row + len(rows) // ROW_BYTES
         end = offset + len(rows)
-        if end - self.flushed >= WRITEBACK_BYTES:
+        if self.direct < 0 and end - self.flushed >= WRITEBACK_BYTES:
             os.posix_fadvise(self.fd, self.flushed, end - self.flushed, os.POSIX_FADV_DONTNEED)
             self.flushed = end
+
+    def _write_direct(self, rows: memoryview, offset: int) -> int:
+        """Bytes of `rows` written with O_DIRECT: its whole 4 KiB blocks, when there is a direct descriptor."""
+        size = len(rows) - len(rows) % DIRECT_BLOCK
+        if self.direct < 0 or size == 0 or offset % DIRECT_BLOCK:
+            return 0
+        try:
+            _pwrite_all(self.direct, rows[:size], offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.close()  # the filesystem takes O_DIRECT opens but not these writes: buffered from here on
+            return 0
+        return size
+
+    def close(self) -> None:
+        if self.direct >= 0:
+            os.close(self.direct)
+            self.direct = -1
 
     def hexdigest(self) -> str:
         return self.hasher.hexdigest()
