@@ -7,7 +7,8 @@ each shard renamed into place whole) -> a receipt per shard -> SHA256SUMS, once 
 
 The ranks' row ranges tile the table in rank order (stager/engram/layouts.py), so for a node
 serving all of TP=8 the pass is one front-to-back read of the table, writing rank 0's shard,
-then rank 1's, and so on: an 8-rank node reads a 101 GB table once, not eight times.
+then rank 1's, and so on: an 8-rank node reads a 101 GB table once, front to back, through one
+reader and one set of buffers, whose read-ahead runs on across the shards' boundaries.
 """
 
 from __future__ import annotations
