@@ -28,7 +28,7 @@ def file_id(path: str | os.PathLike, *, follow: bool = True) -> tuple[int, int] 
 
 def resolved(path: str | os.PathLike) -> str:
     """The absolute, symlink-free spelling (a missing tail is kept as written)."""
-    return os.path.realpath(os.path.abspath(path))
+    return os.path.realpath(path)  # not abspath first: it would collapse "link/.." before the link resolves
 
 
 @dataclass(frozen=True)

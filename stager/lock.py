@@ -26,9 +26,11 @@ def writer_lock(lock_path: Path, what: str) -> Iterator[None]:
     ensure_real_dir(lock_path.parent)
     # Never through a link: a symlink planted at the lock's name once had root truncate its target.
     fd = open_for_write(lock_path, os.O_RDWR | os.O_CREAT)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        # A hard link planted at the name would have its other name truncated below.
         os.close(fd)
-        raise CannotRun(f"lock file {lock_path} is not a regular file")
+        raise CannotRun(f"lock file {lock_path} is not a regular file of its own (links: {st.st_nlink})")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

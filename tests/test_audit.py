@@ -373,17 +373,17 @@ def test_the_textfile_is_never_written_through_a_link(demo, tmp_path, monkeypatc
     assert forged.read_text().endswith(" 42\n") and not demo["prom"].is_symlink()
     manifest.write_text(good)
 
-    # The temp file's name, made predictable here, taken by a link: the write is refused (UNKNOWN,
-    # named), the link is not followed, and the textfile keeps its last content.
+    # The temp file's name, made predictable here, taken by a link: the link is neither followed
+    # nor deleted (it is not ours), another temp name is used, and the textfile is written.
     from stager import atomic, audit as core
 
     monkeypatch.setattr(atomic, "_temp_numbers", itertools.count(0x5EED))
     temp = demo["prom"].with_name(".stage.prom.stage-00005eed.tmp")
     temp.symlink_to(victim)
-    before = demo["prom"].read_bytes()
     report = core.run_audit(str(manifest), "dgx1", str(demo["prom"]))
-    assert report.status == core.UNKNOWN and report.reason.startswith(f"cannot write {demo['prom']}: ")
-    assert victim.read_bytes() == b"precious\n" and demo["prom"].read_bytes() == before
+    assert report.status == core.OK, report.reason
+    assert victim.read_bytes() == b"precious\n" and temp.is_symlink() and os.readlink(temp) == str(victim)
+    assert metrics(demo["prom"])[("stage_audit_ok", (("node", "dgx1"),))] == 1
 
 
 def test_metric_names_follow_the_conventions(demo):

@@ -462,3 +462,14 @@ def test_the_node_store_lists_only_the_node_repos_and_takes_hub_modes(tmp_path):
             "assert not unreferenced_shared_blobs(sys.argv[1])\n")
     proc = subprocess.run([sys.executable, "-c", code, str(local)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_hard_link_planted_at_the_lock_is_refused(staging, tmp_path):
+    victim = staging.local.parent / "victim"
+    staging.local.mkdir(parents=True)
+    victim.write_bytes(b"precious")
+    (staging.local / ".locks").mkdir()
+    os.link(victim, staging.local / ".locks" / "stager.lock")
+    result = staging.mirror()
+    assert result.code == 3 and "lock file" in result.stderr
+    assert victim.read_bytes() == b"precious"
