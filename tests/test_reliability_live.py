@@ -61,7 +61,7 @@ def _manifest_for(staging: Staging, local: Path | str, nas: Path | str | None = 
 
 # ---------------------------------------------------------------- 1. identity, not path strings
 
-@pytest.mark.parametrize("spelling", ["symlink", "dotdot", "bind", "relative-nas"])
+@pytest.mark.parametrize("spelling", ["symlink", "dotdot", "link-then-dotdot", "bind", "relative-nas"])
 def test_node_hub_that_is_the_nas_however_spelled_is_refused(staging, tmp_path, spelling):
     """A node hub that is a symlink to the NAS passed the string check; the mirror then wrote its
     lock into the NAS and rewrote a NAS link."""
@@ -77,6 +77,10 @@ def test_node_hub_that_is_the_nas_however_spelled_is_refused(staging, tmp_path, 
     elif spelling == "dotdot":
         local = Path(str(staging.nas.parent / "x" / ".." / staging.nas.name))
         (staging.nas.parent / "x").mkdir()
+    elif spelling == "link-then-dotdot":  # the kernel resolves hop before "..": this is the NAS's own cache/
+        (tmp_path / "nvme").mkdir()
+        (tmp_path / "nvme" / "hop").symlink_to(staging.nas / "models--acme--Weights")
+        local = Path(f"{tmp_path}/nvme/hop/../cache")
     elif spelling == "bind":
         local = tmp_path / "bound" / "hub"
         context = bind(staging.nas, local)
