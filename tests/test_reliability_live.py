@@ -78,7 +78,6 @@ def test_node_hub_that_is_the_nas_however_spelled_is_refused(staging, tmp_path, 
         local = Path(str(staging.nas.parent / "x" / ".." / staging.nas.name))
         (staging.nas.parent / "x").mkdir()
     elif spelling == "link-then-dotdot":  # the kernel resolves hop before "..": this is the NAS's own cache/
-        (tmp_path / "nvme").mkdir()
         (tmp_path / "nvme" / "hop").symlink_to(staging.nas / "models--acme--Weights")
         local = Path(f"{tmp_path}/nvme/hop/../cache")
     elif spelling == "bind":
