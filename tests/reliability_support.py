@@ -314,6 +314,18 @@ def tmpfs(mountpoint: Path, size: int) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
+def bind(source: Path, mountpoint: Path) -> Iterator[Path]:
+    """`source` mounted again at `mountpoint` with `mount --bind`; unmounted whatever happens."""
+    needs_root()
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(source), str(mountpoint)], check=True)
+    try:
+        yield mountpoint
+    finally:
+        _umount(mountpoint)
+
+
+@contextlib.contextmanager
 def read_only_bind(source: Path, mountpoint: Path) -> Iterator[Path]:
     """`source` seen read-only at `mountpoint` (bind, then remount the bind read-only)."""
     mountpoint.mkdir(parents=True, exist_ok=True)

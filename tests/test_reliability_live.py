@@ -9,15 +9,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import run_stage, sha256_file, write_manifest
 from hubgen import Hub, random_safetensors
-from reliability_support import (MODEL, MiB, Staging, assert_hub_truthful, build_staging, needs_root,
-                                 read_only_bind, run_json, temp_files, tree_state, untouched, _umount)
+from reliability_support import (MODEL, MiB, Staging, assert_hub_truthful, bind, build_staging, needs_root,
+                                 read_only_bind, run_json, temp_files, tree_state, untouched)
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
 
@@ -25,16 +24,6 @@ OFFLINE = {"HF_HUB_OFFLINE": "1"}
 @pytest.fixture
 def staging(tmp_path: Path) -> Staging:
     return build_staging(tmp_path, shards=3, shard_bytes=2 * MiB)
-
-
-@contextlib.contextmanager
-def bind(source: Path, mountpoint: Path):
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "--bind", str(source), str(mountpoint)], check=True)
-    try:
-        yield mountpoint
-    finally:
-        _umount(mountpoint)
 
 
 def offline_load(local: Path, revision: str = "main") -> dict[str, str]:
