@@ -292,10 +292,16 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
                 got = sampled_digest(out, cache.seed)
                 expected = cache.sampled(copy.source)
             _unchanged_during_copy(reader, before, out, cache.seed)
-            if judge(got, expected) is not Verdict.MATCH:
+            if judge(got, expected) is not Verdict.MATCH and full and copy.reference.value is not None:
+                # The bytes just read from the NAS, unchanged during the read, are not what their
+                # own name (or the trees listing) says: no copy of them can be right.
                 raise _Mismatch(
-                    f"copied bytes do not match the {copy.reference.origin if full else 'source sample'}"
-                    f" ({got.method}: {got.value} != {expected.value})")
+                    f"the NAS copy does not match its {copy.reference.origin} ({got.method}: {got.value} != "
+                    f"{expected.value}): the NAS file is bad and mirroring again cannot fix it; download it "
+                    "again on the NAS")
+            if judge(got, expected) is not Verdict.MATCH:
+                raise _Mismatch(f"copied bytes do not match the source sample ({got.method}: {got.value} != "
+                                f"{expected.value})")
             st = os.fstat(out.fd)  # the inode keeps its identity through the rename (now or batched)
         cache.remember_written(dest, got, (st.st_dev, st.st_ino, copy.size, copy.mtime_ns))
         if hasattr(reader, "drop_cache"):

@@ -215,6 +215,10 @@ def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str
                       expected_digest(cache, entry.final, reference, full, fresh=True))
         if again is Verdict.MATCH:
             return None, True
+        if full and reference.value is not None and _source_is_bad(cache, entry, reference):
+            return Problem(str(local_hub / entry.rel), "mismatch",
+                           f"{reference.method} differs from the {reference.origin}, and so does the NAS copy: "
+                           "the NAS file is bad and mirroring again cannot fix it; download it again on the NAS"), False
         method = reference.method if full else "sampled xxh3-128"
         return Problem(str(local_hub / entry.rel), "mismatch",
                        f"{method} differs from the {reference.origin if full else 'source'}"), False
@@ -222,6 +226,12 @@ def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str
         return Problem(str(local_hub / entry.rel), "could_not_check",
                        "no reference hash could be read for this file"), False
     return None, False
+
+
+def _source_is_bad(cache: DigestCache, entry: Entry, reference) -> bool:
+    """Whether the NAS copy itself fails its own name: read only once a local mismatch is certain."""
+    theirs = cache.full(entry.final, reference.method, fresh=True)
+    return theirs.value is not None and theirs.value != reference.value
 
 
 def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyReport) -> int:
