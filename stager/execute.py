@@ -25,7 +25,7 @@ from stager.fingerprint import Digest, Verdict, judge, new_hasher, sampled_diges
 from stager.hub import SHARED_STORE, Problem
 from stager.observe import DigestCache
 from stager.plan import CopyFile, MakeLink, Plan, kept_hops
-from stager.verify import check_local_chain
+from stager.verify import NAS_FILE_BAD, check_local_chain
 
 
 # Below this size a file's fsync (a journal commit, ~3 ms here) costs more than its bytes: such
@@ -297,8 +297,7 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
                 # own name (or the trees listing) says: no copy of them can be right.
                 raise _Mismatch(
                     f"the NAS copy does not match its {copy.reference.origin} ({got.method}: {got.value} != "
-                    f"{expected.value}): the NAS file is bad and mirroring again cannot fix it; download it "
-                    "again on the NAS")
+                    f"{expected.value}): {NAS_FILE_BAD}")
             if judge(got, expected) is not Verdict.MATCH:
                 raise _Mismatch(f"copied bytes do not match the source sample ({got.method}: {got.value} != "
                                 f"{expected.value})")

@@ -22,7 +22,7 @@ from stager.observe import DigestCache, observe
 from stager.plan import Plan, make_plan
 from stager.source import Source, open_source
 from stager.units import format_size
-from stager.verify import Subset, VerifyReport, verify_snapshots
+from stager.verify import NAS_FILE_BAD, Subset, VerifyReport, verify_snapshots
 
 LOCK_NAME = ".locks/stager.lock"  # huggingface_hub's scanner skips .locks/
 
@@ -239,9 +239,16 @@ def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source
                               sources=job.never_write, progress_factory=progress_factory)
     report.problems[:0] = [p for s in snapshots for p in s.problems]
     report.against = reference.url
-    if report.problems:
+    if any(_mirror_repairs(p, job.local_hub) for p in report.problems):
         report.repairs.append(hints.command("mirror", "--node", job.node, *(["--full"] if full else [])))
     return report
+
+
+def _mirror_repairs(problem: Problem, local_hub: Path) -> bool:
+    """Whether mirroring again can fix it: a problem on the node, not one of the NAS's own (a
+    NAS-side trap, an unfinished snapshot, a NAS file that fails its own name)."""
+    on_node = problem.path == str(local_hub) or problem.path.startswith(str(local_hub).rstrip("/") + "/")
+    return on_node and NAS_FILE_BAD not in problem.detail
 
 
 def default_jobs() -> int:

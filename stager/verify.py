@@ -24,6 +24,10 @@ from stager.observe import DigestCache, expected_digest, local_digest
 from stager.plan import kept_hops
 
 
+# How a problem says the NAS's own copy is wrong (shared with the mirror): no mirror can repair it.
+NAS_FILE_BAD = "the NAS file is bad and mirroring again cannot fix it; download it again on the NAS"
+
+
 @dataclass(frozen=True)
 class Subset:
     """`--subset N/T`: the N-th of T deterministic buckets. N is taken modulo T, so 0-based
@@ -218,7 +222,7 @@ def _check_content(local_hub: Path, entry: Entry, snap: RepoSnapshot, final: str
         if full and reference.value is not None and _source_is_bad(cache, entry, reference):
             return Problem(str(local_hub / entry.rel), "mismatch",
                            f"{reference.method} differs from the {reference.origin}, and so does the NAS copy: "
-                           "the NAS file is bad and mirroring again cannot fix it; download it again on the NAS"), False
+                           f"{NAS_FILE_BAD}"), False
         method = reference.method if full else "sampled xxh3-128"
         return Problem(str(local_hub / entry.rel), "mismatch",
                        f"{method} differs from the {reference.origin if full else 'source'}"), False

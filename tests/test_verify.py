@@ -247,3 +247,5 @@ def test_a_nas_blob_that_fails_its_own_name_is_blamed_on_the_nas(tmp_path, nas_h
         assert result.code == 1
         problem = next(p for p in result.json["problems"] if p["kind"] == "mismatch")
         assert "NAS file is bad" in problem["detail"] and "cannot fix it" in problem["detail"], problem
+    verify = run_stage("verify", "--full", "--node", "dgx1", "--manifest", manifest, "--json")
+    assert verify.json["repair"] == []  # no command to paste that could not work
