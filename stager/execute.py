@@ -79,13 +79,7 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
         except StageError:
             raise
         except (_Mismatch, OSError) as exc:
-            if isinstance(exc, (_Mismatch, SourceChanged)):
-                problem = Problem(source.display(copy.source), "mismatch",
-                                  exc.strerror if isinstance(exc, SourceChanged) else str(exc))
-            elif _local_side(exc, local_hub):
-                problem = _local_problem(exc, inside(local_hub, copy.dest))
-            else:
-                problem = Problem(source.display(copy.source), "unreadable", exc.strerror or str(exc))
+            problem = _copy_problem(exc, copy, source, local_hub)
             with tally.lock:
                 tally.failed.add(copy.dest)
                 tally.problems.append(problem)
@@ -124,8 +118,8 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
                      lambda path: atomic_symlink(link.target, path, sync_dir=False))
     _fsync_dirs(local_hub, (link.dest for link in plan.links if link.dest not in tally.failed))
     for meta in plan.metadata:
-        _write_local(tally, local_hub, meta.dest,
-                     lambda path: atomic_write_bytes(path, meta.content, chmod=store_modes.file_mode(local_hub, meta.dest)))
+        mode = store_modes.file_mode(local_hub, meta.dest)
+        _write_local(tally, local_hub, meta.dest, lambda path: atomic_write_bytes(path, meta.content, chmod=mode))
     return ExecResult(tally.files, tally.bytes, tuple(tally.problems), frozenset(tally.failed))
 
 
@@ -203,6 +197,18 @@ def _write_local(tally: _Tally, local_hub: Path, dest: str, write) -> None:
     except OSError as exc:
         tally.failed.add(dest)
         tally.problems.append(_local_problem(exc, path))
+
+
+def _copy_problem(exc: Exception, copy: CopyFile, source, local_hub: Path) -> Problem:
+    """Which side failed, named by its own path: the source changed or is wrong, the local write
+    failed (or the node hub cannot be written: exit 3), or the source could not be read."""
+    if isinstance(exc, SourceChanged):
+        return Problem(source.display(copy.source), "mismatch", exc.strerror)
+    if isinstance(exc, _Mismatch):
+        return Problem(source.display(copy.source), "mismatch", str(exc))
+    if _local_side(exc, local_hub):
+        return _local_problem(exc, inside(local_hub, copy.dest))
+    return Problem(source.display(copy.source), "unreadable", exc.strerror or str(exc))
 
 
 def _local_side(exc: OSError, local_hub: Path) -> bool:
