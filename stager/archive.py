@@ -160,16 +160,15 @@ def protected_places(manifest: str | None) -> tuple[str, ...]:
     loaded = load_manifest(path)
     sources = [loaded.nas.hub, *(node.source for node in loaded.nodes.values() if node.source)]
     local = [s.removeprefix("file://") for s in sources if "://" not in s or s.startswith("file://")]
-    return tuple(dict.fromkeys(map(os.path.realpath, [*local, *loaded.nas.aliases.values()])))
+    return tuple(dict.fromkeys(map(resolved, [*local, *loaded.nas.aliases.values()])))
 
 
 def check_dest(dest: str, protected: tuple[str, ...]) -> Path:
     """DEST must already exist: an archive mount that is not mounted is an empty directory on the
     local disk, and creating DEST there would "archive" onto the disk being freed. It must not
     overlap the NAS, however spelled."""
-    # realpath alone, as the kernel reads `..`: abspath first turned `other/link/..` into `other`
-    # where the kernel climbs from the link's target, and DEST landed inside SRC unnoticed.
-    path = Path(os.path.realpath(dest))
+    # As the kernel reads `..`: collapsing `other/link/..` into `other` first hid a DEST inside SRC.
+    path = Path(resolved(dest))
     if not path.is_dir():
         raise BadInput(f"{path}: DEST is not an existing directory (create it on the archive host first)")
     for place in protected:
@@ -191,8 +190,7 @@ def named_sources(sources: list[str], dest: Path) -> list[Path]:
     for text in sources:
         spelled = os.path.join(os.getcwd(), text)
         head, name = os.path.split(spelled.rstrip("/") or "/")
-        src = Path(os.path.realpath(spelled) if name in ("", ".", "..") else
-                   os.path.join(os.path.realpath(head), name))
+        src = Path(resolved(spelled) if name in ("", ".", "..") else os.path.join(resolved(head), name))
         if src == Path("/"):
             raise BadInput(f"{text}: cannot archive the root directory")
         if overlap(src, dest):

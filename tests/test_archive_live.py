@@ -4,35 +4,21 @@ archived, two archives of one directory at once, and an Engram directory that `s
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import run_stage, sha256_file
-from ops_fixtures import MiB, needs_root, umount
-from reliability_support import build_staging
+from ops_fixtures import MiB
+from reliability_support import bind, build_staging
 from stager.atomic import is_temp_name
 from stager.records import read_sums
 from test_archive import parse_moved, sha256sum_check, write, write_big
 
 STAGE = [sys.executable, "-m", "stager"]
-
-
-@contextlib.contextmanager
-def bind(source: Path, mountpoint: Path) -> Iterator[Path]:
-    """`source` mounted again at `mountpoint` with `mount --bind`; unmounted whatever happens."""
-    needs_root()
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "--bind", str(source), str(mountpoint)], check=True)
-    try:
-        yield mountpoint
-    finally:
-        umount(mountpoint)
 
 
 def hashes(root: Path) -> dict[str, str]:
