@@ -1,15 +1,26 @@
 #!/usr/bin/env python3
 """Benchmark `stage` against cp, rsync, rclone, sha256sum and b3sum on the same data, in the same run.
 
-    python scripts/bench.py                      # 4 GiB hub, 3 timed runs after a warm-up
-    python scripts/bench.py --size 16GiB --reps 5
-    python scripts/bench.py --quick              # small smoke run: tiny data, 1 timed run
+    python scripts/bench.py                      # 2 GiB hub, Engram TP=8 x 0.5 GiB, 5 rounds after a warm-up
+    python scripts/bench.py --size 16GiB --reps 7
+    python scripts/bench.py --quick              # small smoke run: tiny data, 1 round, no settling pause
 
-Every workload runs its commands interleaved (A B C A B C ...), so a noisy neighbour
-slows all of them alike; what counts is the ratio to the plain-copy peer measured in
-the same run.  Cold runs start from an empty destination with the page cache dropped
-(`sync; echo 3 > /proc/sys/vm/drop_caches`).  Peak RSS comes from wait4() on each
-command (the largest process of its tree).  Results: JSON and a Markdown table in
+Wall time on a shared virtual disk moves with the order of the runs and with what the host
+still has to write back, so every workload runs its commands in rounds whose order is rotated
+by one each round (A B C, B C A, C A B, ...), and before every run the disk is let settle:
+`sync`, the page cache dropped (cold runs), a wait until /proc/meminfo's Dirty + Writeback is
+under 16 MiB, then a pause (--settle).  Each command is reported as the median and the min-max
+of its rounds, and as a ratio to the plain-copy peer of the same round (median of the per-round
+ratios).
+
+CPU is user + system seconds of the command's whole process tree, from wait4() on the child
+(descendants that were waited for included), per GB (10^9 bytes) moved.  It is compared with
+cp + sync of the same bytes and with h: one in-process SHA-256 pass over the same bytes
+(`python -c`, hashlib, 8 MiB O_DIRECT reads into a page-aligned buffer, so it is the hash's user
+CPU and almost no system time), run as one more command of the same rounds.  CPU spent by
+kernel threads on a command's behalf (kswapd, writeback workers) is charged to no process; the
+JSON records kswapd0's CPU and the whole machine's busy CPU during each run beside it.  Peak RSS
+is GNU time's %M (the largest process of the tree).  Results: JSON and a Markdown table in
 --out (default: the work directory).  See docs/benchmarks.md.
 """
 
@@ -36,6 +47,7 @@ import hubgen  # noqa: E402
 
 GIB = 1024**3
 MIB = 1024**2
+GB = 1000**3
 # Debian packages the peers (and the RSS meter) come from, by the command each provides.
 PEER_PACKAGES = {"rsync": "rsync", "rclone": "rclone", "b3sum": "b3sum", "sha256sum": "coreutils",
                  "/usr/bin/time": "time"}
@@ -45,6 +57,52 @@ SMALL_MODEL = "bench/small-files"
 ENGRAM_MODEL = "bench/engram-model"
 # ~12 blobs of mixed sizes, as fractions of the hub size: a large first shard down to a few small ones.
 BLOB_WEIGHTS = (24, 16, 12, 10, 8, 8, 6, 5, 4, 3, 2, 2)
+SETTLED_DIRTY_KIB = 16 * 1024  # Dirty + Writeback under this counts as settled
+SETTLE_TIMEOUT_S = 30.0
+H_NAME = "h: sha256 pass (hashlib)"
+
+# h: one SHA-256 pass over the named files (directories walked, links followed), in this process.
+# O_DIRECT reads into a page-aligned buffer keep the page cache's copies out of it, so what it
+# costs is the hash; a file that refuses O_DIRECT is read through the page cache.  Prints the bytes.
+HASH_PASS = r"""
+import errno, hashlib, mmap, os, sys
+CHUNK = 8 << 20
+view = memoryview(mmap.mmap(-1, CHUNK))
+def files(paths):
+    for p in paths:
+        if os.path.isdir(p):
+            for d, dirs, names in os.walk(p):
+                dirs.sort()
+                for n in sorted(names):
+                    yield os.path.join(d, n)
+        else:
+            yield p
+total = 0
+for path in files(sys.argv[1:]):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        size, done, h = os.fstat(fd).st_size, 0, hashlib.sha256()
+        while done < size:
+            try:
+                got = os.preadv(fd, [view], done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(fd)
+                fd = os.open(path, os.O_RDONLY)
+                continue
+            if got == 0:
+                sys.exit(f"{path} ended at {done} of {size} bytes")
+            h.update(view[:got])
+            done += got
+        total += done
+    finally:
+        os.close(fd)
+print(total)
+"""
 
 
 def say(text: str) -> None:
@@ -84,6 +142,54 @@ def drop_caches() -> bool:
         return False
 
 
+def dirty_kib() -> int:
+    """Dirty + Writeback of /proc/meminfo: bytes the kernel still owes the disk."""
+    total = 0
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            key, _, rest = line.partition(":")
+            if key in ("Dirty", "Writeback"):
+                total += int(rest.split()[0])
+    return total
+
+
+def settle(drop: bool, pause: float) -> float:
+    """Let the disk settle before a run: sync, drop the page cache (cold runs), wait until
+    Dirty + Writeback is near zero (at most 30 s), then pause. Returns the seconds it waited.
+    Without it, one run's writeback was still being paid by the next one."""
+    started = time.monotonic()
+    os.sync()
+    if drop:
+        drop_caches()
+    while dirty_kib() > SETTLED_DIRTY_KIB and time.monotonic() - started < SETTLE_TIMEOUT_S:
+        time.sleep(0.1)
+    if pause > 0:
+        time.sleep(pause)
+    return time.monotonic() - started
+
+
+def kswapd_seconds() -> float:
+    """CPU seconds kswapd has used so far (every node's), charged to no command."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().startswith("kswapd"):
+                fields = (comm.parent / "stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / ticks
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (every core, every process, kernel threads)."""
+    with open("/proc/stat") as handle:
+        values = [int(v) for v in handle.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (values + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def stage_argv() -> list[str]:
     """The `stage` an operator runs: the console script next to this interpreter, else `-m stager`."""
     script = Path(sys.executable).with_name("stage")
@@ -91,16 +197,11 @@ def stage_argv() -> list[str]:
 
 
 def machine() -> dict:
-    def first_line(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
-        except OSError:
-            return ""
-
     with open("/proc/meminfo") as handle:
         mem_kib = int(handle.readline().split()[1])
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    return {"nproc": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem_kib / MIB, 1),
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    return {"nproc": os.cpu_count(), "cpu": cpu, "sha_ni": " sha_ni" in flags, "memory_gib": round(mem_kib / MIB, 1),
             "kernel": platform.release(), "python": platform.python_version()}
 
 
@@ -124,10 +225,10 @@ class Dataset:
     hub_bytes: int
     blobs: int
     small_files: int
-    engram: dict  # the Engram table and the shard pack-engram writes from it
+    engram: dict  # the Engram table and the shards pack-engram writes from it
 
 
-def build_dataset(root: Path, size: int, engram_rank_bytes: int, small_files: int) -> Dataset:
+def build_dataset(root: Path, size: int, engram_rank_bytes: int, engram_world: int, small_files: int) -> Dataset:
     nas = root / "nas" / "hf" / "hub"
     hub = hubgen.Hub(nas)
     big = hub.repo(MAIN_MODEL).snapshot()
@@ -158,32 +259,46 @@ def build_dataset(root: Path, size: int, engram_rank_bytes: int, small_files: in
     small.finish()
 
     local = {name: root / "nvme" / name / "hf" / "hub" for name in ("big", "small", "engram")}
-    engram = _engram_checkpoint(hub, engram_rank_bytes, root / "nvme" / "engram" / "shards")
+    engram = _engram_checkpoint(hub, engram_rank_bytes, engram_world, root / "nvme" / "engram" / "shards")
     manifest = root / "cluster.toml"
     text = f'[nas]\nhub = "{nas}"\n\n'
     for repo_id in (MAIN_MODEL, SMALL_MODEL, ENGRAM_MODEL):
         text += f'[models."{repo_id}"]\nrevision = "main"\n\n'
     text += f'[nodes.big]\nhub = "{local["big"]}"\nmodels = ["{MAIN_MODEL}"]\n\n'
     text += f'[nodes.small]\nhub = "{local["small"]}"\nmodels = ["{SMALL_MODEL}"]\n\n'
+    # One node serving every rank of the TP size, as an 8-GPU node serving TP=8 does.
     text += (f'[nodes.engram]\nhub = "{local["engram"]}"\nmodels = ["{ENGRAM_MODEL}"]\n'
-             f'engram_dir = "{engram["dir"]}"\nrank = 0\n\n'
-             f'[engram]\nmodel = "{ENGRAM_MODEL}"\nworld = {engram["world"]}\n')
+             f'engram_dir = "{engram["dir"]}"\nranks = {list(range(engram_world))}\n\n'
+             f'[engram]\nmodel = "{ENGRAM_MODEL}"\nworld = {engram_world}\n')
     manifest.write_text(text)
     return Dataset(root, manifest, nas, big.dir, small.dir, local, _tree_bytes(big.dir), len(BLOB_WEIGHTS),
                    small_files, engram)
 
 
-def _engram_checkpoint(hub: hubgen.Hub, rank_bytes: int, shard_dir: Path) -> dict:
-    """An Engram checkpoint whose table (one layer) is 2 ranks of `rank_bytes` each, in its own shard."""
-    world, row_bytes = 2, hubgen.ENGRAM_WEIGHT_BYTES + hubgen.ENGRAM_SCALE_BYTES
-    rows = max(world, rank_bytes * world // row_bytes) | 1  # odd: the ranks differ by one row
+def _engram_checkpoint(hub: hubgen.Hub, rank_bytes: int, world: int, shard_dir: Path) -> dict:
+    """An Engram checkpoint whose table (one layer) is `world` ranks of about `rank_bytes` each."""
+    row_bytes = hubgen.ENGRAM_WEIGHT_BYTES + hubgen.ENGRAM_SCALE_BYTES
+    rows = max(world, rank_bytes * world // row_bytes) | 1  # odd: the ranks differ by a row
     hubgen.add_engram_checkpoint(hub, ENGRAM_MODEL, layers=(1,), rows=rows, streamed=True)
-    hi = rows // world  # rank 0 of the floor partition: rows 0..hi-1
-    return {"dir": shard_dir, "world": world, "rows": rows, "shard_bytes": 4096 + hi * row_bytes}
+    # The floor partition (docs/engram.md): rank R holds rows R*rows//world .. (R+1)*rows//world - 1.
+    shard_bytes = [4096 + ((r + 1) * rows // world - r * rows // world) * row_bytes for r in range(world)]
+    return {"dir": shard_dir, "world": world, "rows": rows, "shard_bytes": shard_bytes}
 
 
 def _tree_bytes(snapshot: Path) -> int:
     return sum(p.stat().st_size for p in snapshot.rglob("*") if p.is_file())
+
+
+def _fill(path: Path, size: int, seed: int) -> None:
+    """A file of exactly `size` pseudo-random bytes, written in 8 MiB pieces, unless it already is one."""
+    if path.exists() and path.stat().st_size == size:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _, chunks = hubgen.streamed_safetensors(seed, size)
+    with open(path, "wb") as handle:
+        for chunk in chunks:
+            handle.write(chunk)
+    os.truncate(path, size)
 
 
 # ---------------------------------------------------------------- measurement
@@ -195,6 +310,23 @@ class Command:
     argv: list[str] | str  # a string runs under `sh -c` (peers chained with `&& sync`)
     prepare: Callable[[], None] | None = None  # untimed, before every run
     ours: bool = False
+    hash_pass: bool = False  # h: prints the bytes it hashed
+
+
+@dataclass(frozen=True)
+class Run:
+    wall_s: float
+    user_s: float
+    sys_s: float
+    peak_kib: int
+    reported_s: float | None  # the tool's own `seconds` (--json)
+    stdout: bytes
+    kswapd_s: float = 0.0
+    busy_s: float = 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        return self.user_s + self.sys_s
 
 
 @dataclass
@@ -202,13 +334,17 @@ class Workload:
     name: str
     title: str
     commands: list[Command]
-    baseline: str  # the plain-copy (or plain-hash) peer every ratio is taken against
+    baseline: str  # the plain-copy peer every ratio is taken against
+    data_bytes: int | None = None  # bytes each command moves (or hashes): the GB of CPU s/GB
     cold: bool = True
+    setup: Callable[[], None] | None = None  # untimed, once before the first round
+    teardown: Callable[[], None] | None = None  # once after the last round: frees the peers' copies
     results: dict[str, dict] = field(default_factory=dict)
+    rounds: list[dict] = field(default_factory=list)
 
 
-def run_once(command: Command) -> tuple[float, int, float | None]:
-    """Wall seconds, peak RSS (KiB) and the seconds the tool itself reported (`--json`), if any.
+def run_once(command: Command) -> Run:
+    """One run: wall seconds, CPU of its process tree, peak RSS and what the tool reported.
     Fails loudly: a benchmark of a failed copy is a lie."""
     argv = ["sh", "-c", command.argv] if isinstance(command.argv, str) else command.argv
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
@@ -216,10 +352,14 @@ def run_once(command: Command) -> tuple[float, int, float | None]:
         # GNU time forks the command from its own small image: a child forked from this Python
         # process starts with this process's RSS as its high-water mark, which hid every peer's.
         meter = [GNU_TIME, "-f", "%M", "-o", rss.name] if os.path.exists(GNU_TIME) else []
+        kswapd, busy = kswapd_seconds(), busy_seconds()
         started = time.perf_counter()
         proc = subprocess.Popen([*meter, *argv], stdout=out, stderr=err)
+        # wait4's usage covers the child and every descendant it waited for (GNU time waits for the
+        # command, sh for cp and sync, xargs for sha256sum), threads included.
         _, status, usage = os.wait4(proc.pid, 0)
         seconds = time.perf_counter() - started
+        kswapd, busy = kswapd_seconds() - kswapd, busy_seconds() - busy
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
@@ -233,46 +373,91 @@ def run_once(command: Command) -> tuple[float, int, float | None]:
         reported = json.loads(stdout).get("seconds") if command.ours else None
     except ValueError:
         reported = None
-    return seconds, peak, reported
+    return Run(seconds, usage.ru_utime, usage.ru_stime, peak, reported, stdout, kswapd, busy)
 
 
-def measure(workload: Workload, reps: int, warmup: int, can_drop: bool) -> None:
-    times: dict[str, list[float]] = {c.name: [] for c in workload.commands}
-    inside: dict[str, list[float]] = {c.name: [] for c in workload.commands}
-    rss: dict[str, int] = {c.name: 0 for c in workload.commands}
-    for rep in range(warmup + reps):
-        for command in workload.commands:  # interleaved: A B C, A B C, ...
+def measure(workload: Workload, reps: int, warmup: int, can_drop: bool, pause: float) -> None:
+    """Rounds of every command, the order rotated by one each round, the disk settled before each run."""
+    if workload.setup:
+        workload.setup()
+    names = [c.name for c in workload.commands]
+    runs: dict[str, list[Run]] = {name: [] for name in names}
+    for round_no in range(warmup + reps):
+        shift = round_no % len(workload.commands)
+        order = workload.commands[shift:] + workload.commands[:shift]
+        timed = round_no >= warmup
+        label = f"round {round_no - warmup + 1}/{reps}" if timed else "warm-up"
+        loads = []
+        for command in order:
             if command.prepare:
                 command.prepare()
-            if workload.cold and can_drop:
-                drop_caches()
-            seconds, peak, reported = run_once(command)
-            label = "warm-up" if rep < warmup else f"run {rep - warmup + 1}/{reps}"
-            say(f"{workload.name}: {command.name}: {seconds:.3f}s, {peak / 1024:.0f} MiB ({label})")
-            if rep >= warmup:
-                times[command.name].append(seconds)
-                if reported is not None:
-                    inside[command.name].append(reported)
-            rss[command.name] = max(rss[command.name], peak)
-    base = statistics.median(times[workload.baseline])
+            settle(workload.cold and can_drop, pause)
+            loads.append(os.getloadavg()[0])
+            run = run_once(command)
+            if command.hash_pass and workload.data_bytes is not None:
+                hashed = int(run.stdout.split()[-1])
+                if hashed != workload.data_bytes:
+                    raise SystemExit(f"bench: {command.name} hashed {hashed} bytes, not the workload's "
+                                     f"{workload.data_bytes}")
+            say(f"{workload.name}: {command.name}: {run.wall_s:.3f}s wall, {run.user_s:.2f}+{run.sys_s:.2f}s CPU, "
+                f"{run.peak_kib / 1024:.0f} MiB ({label})")
+            if timed:
+                runs[command.name].append(run)
+        if timed:
+            workload.rounds.append({"order": [c.name for c in order], "load1": [round(x, 2) for x in loads]})
+    if workload.teardown:
+        workload.teardown()
+    workload.results = summarise(workload, runs)
+
+
+def _spread(values: list[float], digits: int = 4) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
+
+
+def summarise(workload: Workload, runs: dict[str, list[Run]]) -> dict[str, dict]:
+    """Medians with min-max; ratios are the median of the per-round ratios (the two commands of a
+    ratio ran in the same round, a few seconds apart)."""
+    base = runs[workload.baseline]
+    h = next((runs[c.name] for c in workload.commands if c.hash_pass), None)
+    per_gb = GB / workload.data_bytes if workload.data_bytes else None
+    results = {}
     for command in workload.commands:
-        runs = times[command.name]
-        median = statistics.median(runs)
-        workload.results[command.name] = {
+        mine = runs[command.name]
+
+        def ratio(key: Callable[[Run], float], against: list[Run]) -> dict | None:
+            pairs = [key(a) / key(b) for a, b in zip(mine, against) if key(b) > 0]
+            return _spread(pairs, 3) if pairs else None
+
+        row = {
             "command": command.argv if isinstance(command.argv, str) else shlex.join(command.argv),
             "ours": command.ours,
-            "runs": [round(t, 4) for t in runs],
-            "median_s": round(median, 4),
-            "min_s": round(min(runs), 4),
-            "max_s": round(max(runs), 4),
-            "ratio": round(median / base, 3) if base > 0 else None,
-            "peak_rss_mib": round(rss[command.name] / 1024, 1),
+            "runs": [{"wall_s": round(r.wall_s, 4), "user_s": round(r.user_s, 3), "sys_s": round(r.sys_s, 3),
+                      "peak_rss_mib": round(r.peak_kib / 1024, 1), "kswapd_s": round(r.kswapd_s, 2),
+                      "machine_busy_s": round(r.busy_s, 2)} for r in mine],
+            "wall_s": _spread([r.wall_s for r in mine]),
+            "cpu_s": _spread([r.cpu_s for r in mine], 3),
+            "user_s": _spread([r.user_s for r in mine], 3),
+            "sys_s": _spread([r.sys_s for r in mine], 3),
+            "cpu_s_per_gb": _spread([r.cpu_s * per_gb for r in mine], 3) if per_gb else None,
+            "kswapd_s": _spread([r.kswapd_s for r in mine], 2),
+            "machine_busy_s": _spread([r.busy_s for r in mine], 2),
+            "wall_ratio": ratio(lambda r: r.wall_s, base),
+            "cpu_ratio": ratio(lambda r: r.cpu_s, base),
+            "cpu_per_h": ratio(lambda r: r.cpu_s, h) if h else None,
+            "peak_rss_mib": round(max(r.peak_kib for r in mine) / 1024, 1),
             # The tool's own `seconds` (--json): the wall time less interpreter start-up and imports.
-            "tool_median_s": round(statistics.median(inside[command.name]), 4) if inside[command.name] else None,
+            "tool_s": _spread([r.reported_s for r in mine]) if all(r.reported_s is not None for r in mine) else None,
         }
+        results[command.name] = row
+    return results
 
 
 # ---------------------------------------------------------------- workloads
+
+
+def hash_pass(*paths: Path) -> Command:
+    return Command(H_NAME, [sys.executable, "-c", HASH_PASS, *map(str, paths)], hash_pass=True)
 
 
 def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
@@ -293,6 +478,9 @@ def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
     def dest(name: str) -> str:
         return shlex.quote(str(out / name))
 
+    def drop_peers() -> None:
+        shutil.rmtree(out, ignore_errors=True)
+
     sha_all = "find {d} -type f -print0 | xargs -0 sha256sum > /dev/null"
     copy_peers = [
         ("cp -rL && sync", f"cp -rL {snap} {dest('cp')} && sync", "cp", True),
@@ -305,9 +493,11 @@ def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
         Workload("cold_mirror", "Cold mirror, sampled verify", [
             Command("stage mirror", stage("mirror", "--node", "big", "--json"), fresh(big_hub), ours=True),
             *[Command(name, cmd, fresh(out / d)) for name, cmd, d, ok in copy_peers if ok],
-        ], baseline="cp -rL && sync"),
+            hash_pass(ds.snapshot),
+        ], baseline="cp -rL && sync", data_bytes=ds.hub_bytes, teardown=drop_peers),
         Workload("cold_mirror_full", "Cold mirror, --full (sha256 of every byte)", [
-            Command("stage mirror --full", stage("mirror", "--node", "big", "--full", "--json"), fresh(big_hub), ours=True),
+            Command("stage mirror --full", stage("mirror", "--node", "big", "--full", "--json"), fresh(big_hub),
+                    ours=True),
             Command("cp -rL && sync", copy_peers[0][1], fresh(out / "cp")),
             Command("cp -rL && sync && sha256sum", f"{copy_peers[0][1]} && {sha_all.format(d=dest('cp'))}",
                     fresh(out / "cp")),
@@ -316,7 +506,8 @@ def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
             *([Command("rclone copy -L && sync && rclone check",
                        f"{copy_peers[2][1]} && rclone check -L --config /dev/null {snap} {dest('rclone')}",
                        fresh(out / "rclone"))] if peers["rclone"] else []),
-        ], baseline="cp -rL && sync"),
+            hash_pass(ds.snapshot),
+        ], baseline="cp -rL && sync", data_bytes=ds.hub_bytes, teardown=drop_peers),
         # Nothing to do: each destination is filled once, untimed, by the same command. Page cache left warm.
         Workload("warm_rerun", "Warm re-run, nothing to copy", [
             _filled_once(Command("stage mirror", stage("mirror", "--node", "big", "--json"), ours=True),
@@ -326,17 +517,17 @@ def workloads(ds: Dataset, peers: dict[str, bool]) -> list[Workload]:
             *([_filled_once(Command("rclone copy -L (no-op)",
                                     f"rclone copy -L --config /dev/null {snap} {dest('rclone-warm')}"),
                             out / "rclone-warm")] if peers["rclone"] else []),
-        ], baseline="stage mirror", cold=False),
+        ], baseline="stage mirror", cold=False, teardown=drop_peers),
     ]
-    result.append(_verify_workload(ds, stage, peers))
-    result.append(_engram_workload(ds, stage))
+    result.append(_verify_workload(ds, stage, peers, out))
+    result += _engram_workloads(ds, stage)
     small_hub = ds.local["small"]
     result.append(Workload("small_files", f"{ds.small_files} small files", [
         Command("stage mirror --jobs 1", stage("mirror", "--node", "small", "--jobs", "1", "--json"), fresh(small_hub),
                 ours=True),
         Command("stage mirror", stage("mirror", "--node", "small", "--json"), fresh(small_hub), ours=True),
         Command("cp -rL && sync", f"cp -rL {small_snap} {dest('small-cp')} && sync", fresh(out / "small-cp")),
-    ], baseline="cp -rL && sync"))
+    ], baseline="cp -rL && sync", teardown=drop_peers))
     return result
 
 
@@ -349,11 +540,13 @@ def _filled_once(command: Command, filled: Path) -> Command:
     return replace(command, prepare=prepare)
 
 
-def _verify_workload(ds: Dataset, stage: Callable[..., list[str]], peers: dict[str, bool]) -> Workload:
-    """`stage verify` over the staged big model, and the coreutils/b3sum checks of the same files."""
+def _verify_workload(ds: Dataset, stage: Callable[..., list[str]], peers: dict[str, bool], out: Path) -> Workload:
+    """`stage verify` over the staged big model, the coreutils/b3sum checks of the same files, and
+    cp of the same bytes from the NAS."""
     snapshot = ds.local["big"] / ds.snapshot.relative_to(ds.nas)
     sums = ds.root / "SHA256SUMS"
     b3sums = ds.root / "B3SUMS"
+    copy = out / "verify-cp"
 
     def sums_ready() -> None:
         if not snapshot.is_dir():  # run alone (--only verify): stage the model first, untimed
@@ -366,75 +559,121 @@ def _verify_workload(ds: Dataset, stage: Callable[..., list[str]], peers: dict[s
                                           check=True).stdout
                     path.write_text(text)
 
+    def fresh_copy() -> None:
+        shutil.rmtree(copy, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+
     at = shlex.quote(str(snapshot))
     return Workload("verify", "Verify the staged model", [
-        Command("stage verify", stage("verify", "--node", "big"), sums_ready, ours=True),
+        Command("stage verify", stage("verify", "--node", "big"), ours=True),
         Command("stage verify --full", stage("verify", "--node", "big", "--full"), ours=True),
         Command("sha256sum -c", f"cd {at} && sha256sum --quiet -c {shlex.quote(str(sums))}"),
         *([Command("b3sum -c", f"cd {at} && b3sum --quiet -c {shlex.quote(str(b3sums))}")] if peers["b3sum"] else []),
-    ], baseline="sha256sum -c")
+        Command("cp -rL && sync", f"cp -rL {shlex.quote(str(ds.snapshot))} {shlex.quote(str(copy))} && sync",
+                fresh_copy),
+        hash_pass(snapshot),
+    ], baseline="cp -rL && sync", data_bytes=ds.hub_bytes, setup=sums_ready,
+        teardown=lambda: shutil.rmtree(copy, ignore_errors=True))
 
 
-def _engram_workload(ds: Dataset, stage: Callable[..., list[str]]) -> Workload:
+def _engram_workloads(ds: Dataset, stage: Callable[..., list[str]]) -> list[Workload]:
+    """pack-engram of rank 0, and of every rank of the node in one run, each against cp && sync of
+    files of the very sizes of the shards it writes, and h over those files."""
     shard_dir = Path(ds.engram["dir"])
-    same_size = ds.root / "nvme" / "shard-sized.bin"
-    copy = shard_dir.parent / "cp-of-shard.bin"
+    sizes = ds.engram["shard_bytes"]
+    sources = ds.root / "nvme" / "engram-sized"  # one file per rank, each of its shard's size
+    copies = ds.root / "nvme" / "engram-cp"
+    names = [f"r{rank}.bin" for rank in range(len(sizes))]
+
+    def sources_ready() -> None:
+        for rank, (name, size) in enumerate(zip(names, sizes)):
+            _fill(sources / name, size, 900 + rank)
 
     def fresh_shards() -> None:
         shutil.rmtree(shard_dir, ignore_errors=True)
 
-    def fresh_copy() -> None:
-        if not same_size.exists() or same_size.stat().st_size != ds.engram["shard_bytes"]:
-            _, chunks = hubgen.streamed_safetensors(99, ds.engram["shard_bytes"])
-            with open(same_size, "wb") as handle:
-                for chunk in chunks:
-                    handle.write(chunk)
-            os.truncate(same_size, ds.engram["shard_bytes"])
-        copy.unlink(missing_ok=True)
+    def fresh_copies() -> None:
+        shutil.rmtree(copies, ignore_errors=True)
+        copies.mkdir(parents=True)
 
-    return Workload("pack_engram", "pack-engram, one rank", [
-        Command("stage pack-engram", stage("pack-engram", "--node", "engram", "--rank", "0", "--json"), fresh_shards,
-                ours=True),
-        Command("cp && sync", f"cp {shlex.quote(str(same_size))} {shlex.quote(str(copy))} && sync", fresh_copy),
-    ], baseline="cp && sync")
+    def drop_copies() -> None:
+        shutil.rmtree(copies, ignore_errors=True)
+
+    one = shlex.quote(str(sources / names[0]))
+    world = len(sizes)
+    return [
+        Workload("pack_engram", "pack-engram, one rank", [
+            Command("stage pack-engram --rank 0", stage("pack-engram", "--node", "engram", "--rank", "0", "--json"),
+                    fresh_shards, ours=True),
+            Command("cp && sync", f"cp {one} {shlex.quote(str(copies / names[0]))} && sync", fresh_copies),
+            hash_pass(sources / names[0]),
+        ], baseline="cp && sync", data_bytes=sizes[0], setup=sources_ready, teardown=drop_copies),
+        Workload("pack_engram_node", f"pack-engram, all {world} ranks of the node", [
+            Command(f"stage pack-engram ({world} ranks)", stage("pack-engram", "--node", "engram", "--json"),
+                    fresh_shards, ours=True),
+            Command(f"cp of the {world} ranks' bytes && sync",
+                    f"cp {' '.join(shlex.quote(str(sources / n)) for n in names)} {shlex.quote(str(copies))} && sync",
+                    fresh_copies),
+            hash_pass(*(sources / n for n in names)),
+        ], baseline=f"cp of the {world} ranks' bytes && sync", data_bytes=sum(sizes), setup=sources_ready,
+            teardown=drop_copies),
+    ]
 
 
 # ---------------------------------------------------------------- targets and report
 
 
-def targets(results: dict[str, Workload]) -> list[dict]:
-    def value(workload: str, command: str, key: str = "median_s") -> float | None:
+def targets(results: dict[str, Workload], world: int) -> list[dict]:
+    def row(workload: str, command: str | None) -> dict | None:
         w = results.get(workload)
-        return w.results.get(command, {}).get(key) if w else None
+        if w is None:
+            return None
+        if command is None:  # the workload's own `stage` row (pack-engram names carry the rank count)
+            command = next((name for name, r in w.results.items() if r["ours"]), None)
+        return w.results.get(command)
 
-    def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
-        x, y = value(*a), value(*b)
-        return round(x / y, 3) if x is not None and y else None
+    def paired(workload: str, command: str | None, key: str) -> float | None:
+        r = row(workload, command)
+        return r[key]["median"] if r and r.get(key) else None
+
+    def across(a: tuple[str, str], b: tuple[str, str]) -> float | None:
+        x, y = row(*a), row(*b)
+        return round(x["wall_s"]["median"] / y["wall_s"]["median"], 3) if x and y and y["wall_s"]["median"] else None
+
+    def rss(*pairs: tuple[str, str]) -> float | None:
+        values = [r["peak_rss_mib"] for r in (row(*p) for p in pairs) if r]
+        return max(values) if values else None
 
     rows = [
-        ("cold mirror / cp -rL && sync", ratio(("cold_mirror", "stage mirror"), ("cold_mirror", "cp -rL && sync")),
-         "<=", 1.10),
-        ("cold mirror / rsync -aL && sync", ratio(("cold_mirror", "stage mirror"), ("cold_mirror", "rsync -aL && sync")),
-         "<", 1.0),
-        ("cold mirror / rclone copy -L && sync",
-         ratio(("cold_mirror", "stage mirror"), ("cold_mirror", "rclone copy -L && sync")), "<", 1.0),
-        ("cold mirror --full / cp -rL && sync",
-         ratio(("cold_mirror_full", "stage mirror --full"), ("cold_mirror_full", "cp -rL && sync")), "<=", 1.25),
-        ("warm re-run / cold mirror", ratio(("warm_rerun", "stage mirror"), ("cold_mirror", "stage mirror")),
-         "<=", 0.02),
-        ("verify --full / sha256sum -c", ratio(("verify", "stage verify --full"), ("verify", "sha256sum -c")),
-         "<=", 0.25),
-        ("pack-engram / cp of the shard's bytes", ratio(("pack_engram", "stage pack-engram"), ("pack_engram", "cp && sync")),
+        # CPU per byte (issue 13): user + sys of the command against one in-process SHA-256 pass, h.
+        ("CPU: sampled mirror / h", paired("cold_mirror", "stage mirror", "cpu_per_h"), "<=", 1.5),
+        ("CPU: mirror --full / h", paired("cold_mirror_full", "stage mirror --full", "cpu_per_h"), "<=", 2.5),
+        ("CPU: verify --full / h", paired("verify", "stage verify --full", "cpu_per_h"), "<=", 2.5),
+        ("CPU: pack-engram, one rank / h", paired("pack_engram", None, "cpu_per_h"), "<=", 2.5),
+        (f"CPU: pack-engram, {world} ranks / h", paired("pack_engram_node", None, "cpu_per_h"), "<=", 2.5),
+        # Wall time, against cp + sync of the same bytes in the same round.
+        ("wall: cold mirror / cp -rL && sync", paired("cold_mirror", "stage mirror", "wall_ratio"), "<=", 1.0),
+        ("wall: cold mirror --full / cp -rL && sync", paired("cold_mirror_full", "stage mirror --full", "wall_ratio"),
+         "<=", 1.25),
+        ("wall: pack-engram, one rank / cp && sync", paired("pack_engram", None, "wall_ratio"), "<=", 1.3),
+        (f"wall: pack-engram, {world} ranks / cp of their bytes && sync", paired("pack_engram_node", None, "wall_ratio"),
          "<=", 1.3),
-        ("pack-engram peak RSS (MiB)", value("pack_engram", "stage pack-engram", "peak_rss_mib"), "<=", 256),
-        ("mirror peak RSS (MiB)", max((v for v in (value(w, c, "peak_rss_mib") for w, c in (
-            ("cold_mirror", "stage mirror"), ("cold_mirror_full", "stage mirror --full"),
-            ("warm_rerun", "stage mirror"), ("small_files", "stage mirror"), ("small_files", "stage mirror --jobs 1")))
-            if v is not None), default=None), "<=", 256),
-        ("small files, default --jobs / cp -rL && sync",
-         ratio(("small_files", "stage mirror"), ("small_files", "cp -rL && sync")), "<", 3.0),
-        ("small files, default --jobs / --jobs 1",
-         ratio(("small_files", "stage mirror"), ("small_files", "stage mirror --jobs 1")), "<=", 1.0),
+        ("wall: cold mirror / rsync -aL && sync",
+         across(("cold_mirror", "stage mirror"), ("cold_mirror", "rsync -aL && sync")), "<", 1.0),
+        ("wall: cold mirror / rclone copy -L && sync",
+         across(("cold_mirror", "stage mirror"), ("cold_mirror", "rclone copy -L && sync")), "<", 1.0),
+        ("wall: warm re-run / cold mirror", across(("warm_rerun", "stage mirror"), ("cold_mirror", "stage mirror")),
+         "<=", 0.02),
+        ("wall: verify --full / sha256sum -c", across(("verify", "stage verify --full"), ("verify", "sha256sum -c")),
+         "<=", 0.25),
+        ("wall: small files, default --jobs / cp -rL && sync", paired("small_files", "stage mirror", "wall_ratio"),
+         "<", 3.0),
+        ("wall: small files, default --jobs / --jobs 1",
+         across(("small_files", "stage mirror"), ("small_files", "stage mirror --jobs 1")), "<=", 1.0),
+        ("pack-engram peak RSS (MiB)", rss(("pack_engram", None), ("pack_engram_node", None)), "<=", 256),
+        ("mirror peak RSS (MiB)", rss(("cold_mirror", "stage mirror"), ("cold_mirror_full", "stage mirror --full"),
+                                      ("warm_rerun", "stage mirror"), ("small_files", "stage mirror"),
+                                      ("small_files", "stage mirror --jobs 1")), "<=", 256),
     ]
     out = []
     for name, got, op, limit in rows:
@@ -443,19 +682,47 @@ def targets(results: dict[str, Workload]) -> list[dict]:
     return out
 
 
+def _load_summary(report_workloads: list[Workload]) -> dict | None:
+    loads = [x for w in report_workloads for r in w.rounds for x in r["load1"]]
+    return _spread(loads, 2) if loads else None
+
+
 def markdown(report: dict) -> str:
-    lines = [f"Hub: {report['data']['hub_gib']} GiB in {report['data']['blobs']} blobs; "
-             f"{report['reps']} timed runs after {report['warmup']} warm-up, interleaved; "
-             f"page cache {'dropped before every cold run' if report['page_cache_dropped'] else 'NOT dropped (not root)'}.",
-             "", "| workload | command | median s | min-max s | ratio | peak RSS MiB | in-tool s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    data = report["data"]
+    load = report.get("load1")
+    lines = [
+        f"Hub: {data['hub_gib']} GiB in {data['blobs']} blobs ({data['hub_bytes'] / GB:.2f} GB); Engram: "
+        f"{data['engram_rows']:,} rows, TP={data['engram_world']}, rank 0 {data['engram_shard_bytes'] / GB:.3f} GB, "
+        f"all ranks {data['engram_all_bytes'] / GB:.3f} GB.",
+        f"{report['reps']} timed rounds after {report['warmup']} warm-up, the order rotated each round; "
+        f"before each run: sync, page cache "
+        f"{'dropped before every cold run' if report['page_cache_dropped'] else 'NOT dropped (not root)'}, "
+        f"Dirty+Writeback under {SETTLED_DIRTY_KIB // 1024} MiB, {report['settle_s']} s pause.",
+        "1-minute load average before the runs: " + (
+            f"median {load['median']}, {load['min']}-{load['max']}." if load else "n/a."),
+        "Medians (min-max over the rounds). Ratios: median of the per-round ratios. "
+        "CPU: user + sys of the process tree, per GB (10^9 bytes) moved; h: one in-process SHA-256 pass.",
+        "",
+        "| workload | command | wall s | wall × base | CPU s (user / sys) | CPU s/GB | CPU × base | CPU × h "
+        "| peak RSS MiB | in-tool s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def spread(s: dict | None, fmt: str = ".2f") -> str:
+        return "" if s is None else f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+    def median(s: dict | None, fmt: str = ".2f") -> str:
+        return "" if s is None else f"{s['median']:{fmt}}"
+
     for w in report["workloads"]:
         for name, r in w["results"].items():
             mark = f"**{name}**" if r["ours"] else name
             base = " (base)" if name == w["baseline"] else ""
-            lines.append(f"| {w['title']} | {mark}{base} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} "
-                         f"| {r['ratio']:.2f} | {r['peak_rss_mib']:.0f} "
-                         f"| {'' if r['tool_median_s'] is None else format(r['tool_median_s'], '.3f')} |")
+            cpu = f"{r['cpu_s']['median']:.2f} ({r['user_s']['median']:.2f} / {r['sys_s']['median']:.2f})"
+            lines.append(
+                f"| {w['title']} | {mark}{base} | {spread(r['wall_s'])} | {spread(r['wall_ratio'])} | {cpu} "
+                f"| {spread(r['cpu_s_per_gb'])} | {median(r['cpu_ratio'])} | {spread(r['cpu_per_h'])} "
+                f"| {r['peak_rss_mib']:.0f} | {median(r['tool_s'], '.3f')} |")
     lines += ["", "| target | measured | limit | met |", "|---|---:|---:|---|"]
     for t in report["targets"]:
         shown = "n/a" if t["value"] is None else f"{t['value']}"
@@ -466,11 +733,16 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default=None, help="hub size of the big model (default 4GiB; --quick: 24MiB)")
-    parser.add_argument("--engram-size", default=None, help="bytes of one rank's Engram shard (default 1.1GiB)")
+    parser.add_argument("--size", default=None, help="hub size of the big model (default 2GiB; --quick: 24MiB)")
+    parser.add_argument("--engram-size", default=None,
+                        help="bytes of one rank's Engram shard (default 0.5GiB; --quick: 1MiB)")
+    parser.add_argument("--engram-world", type=int, default=8, help="TP size of the Engram table; the node "
+                        "serves every rank (default 8)")
     parser.add_argument("--small-files", type=int, default=1000, help="files in the small-files model")
-    parser.add_argument("--reps", type=int, default=None, help="timed runs per command (default 3; --quick: 1)")
+    parser.add_argument("--reps", type=int, default=None, help="timed rounds per workload (default 5; --quick: 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    parser.add_argument("--settle", type=float, default=None,
+                        help="seconds to pause before each run, after the sync (default 1; --quick: 0)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the data goes (default: a new dir in /tmp)")
     parser.add_argument("--out", type=Path, default=None, help="where bench.json and bench.md go (default: workdir)")
     parser.add_argument("--only", action="append", help="run only this workload (repeatable)")
@@ -481,12 +753,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from stager.units import format_size, parse_size
 
-    size = parse_size(args.size or ("24MiB" if args.quick else "4GiB"))
-    engram_bytes = parse_size(args.engram_size or ("4MiB" if args.quick else "1.1GiB"))
-    reps = args.reps or (1 if args.quick else 3)
+    size = parse_size(args.size or ("24MiB" if args.quick else "2GiB"))
+    engram_bytes = parse_size(args.engram_size or ("1MiB" if args.quick else "512MiB"))
+    reps = args.reps or (1 if args.quick else 5)
     warmup = args.warmup
-    if not args.quick and (reps < 3 or warmup < 1):
-        parser.error("outside --quick: at least 3 timed runs (--reps) after at least 1 warm-up (--warmup)")
+    pause = args.settle if args.settle is not None else (0.0 if args.quick else 1.0)
+    if not args.quick and (reps < 5 or warmup < 1):
+        parser.error("outside --quick: at least 5 timed rounds (--reps) after at least 1 warm-up (--warmup)")
+    if args.engram_world < 1:
+        parser.error("--engram-world must be at least 1")
     workdir = args.workdir or Path(f"/tmp/stage-bench-{os.getpid()}")
     workdir.mkdir(parents=True, exist_ok=True)
     out_dir = args.out or workdir
@@ -496,30 +771,39 @@ def main(argv: list[str] | None = None) -> int:
     can_drop = drop_caches()
     if not can_drop:
         say("cannot write /proc/sys/vm/drop_caches (not root?): cold runs may read from the page cache")
-    say(f"building a {format_size(size)} hub and {args.small_files} small files in {workdir}")
+    say(f"building a {format_size(size)} hub, an Engram table of {args.engram_world} x {format_size(engram_bytes)} "
+        f"and {args.small_files} small files in {workdir}")
     started = time.monotonic()
     try:
-        ds = build_dataset(workdir / "data", size, engram_bytes, args.small_files)
+        ds = build_dataset(workdir / "data", size, engram_bytes, args.engram_world, args.small_files)
         say(f"data ready in {time.monotonic() - started:.1f}s")
         # pack-engram reads the node's staged snapshot: stage it once, untimed.
         run_once(Command("stage engram model", [*stage_argv(), "mirror", "--node", "engram", "--manifest",
                                                 str(ds.manifest)]))
         chosen = [w for w in workloads(ds, peers) if not args.only or w.name in args.only]
+        load_before = os.getloadavg()
         for workload in chosen:
-            measure(workload, reps, warmup, can_drop)
+            measure(workload, reps, warmup, can_drop, pause)
         report = {
             "machine": {**machine(), "filesystem": filesystem_of(workdir)},
             "command": shlex.join([Path(sys.executable).name, "scripts/bench.py", *(argv or sys.argv[1:])]),
             "reps": reps,
             "warmup": warmup,
+            "order": "rotated by one command each round",
+            "settle_s": pause,
             "page_cache_dropped": can_drop,
+            "load1": _load_summary(chosen),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
             "peers_installed": peers,
+            "h": "python -c: hashlib.sha256 over 8 MiB O_DIRECT reads into a page-aligned buffer",
             "data": {"hub_bytes": ds.hub_bytes, "hub_gib": round(ds.hub_bytes / GIB, 2), "blobs": ds.blobs,
-                     "small_files": ds.small_files,
-                     "engram_shard_bytes": ds.engram["shard_bytes"]},
+                     "small_files": ds.small_files, "engram_rows": ds.engram["rows"],
+                     "engram_world": ds.engram["world"], "engram_shard_bytes": ds.engram["shard_bytes"][0],
+                     "engram_all_bytes": sum(ds.engram["shard_bytes"])},
             "workloads": [{"name": w.name, "title": w.title, "baseline": w.baseline, "cold": w.cold,
-                           "results": w.results} for w in chosen],
-            "targets": targets({w.name: w for w in chosen}),
+                           "data_bytes": w.data_bytes, "rounds": w.rounds, "results": w.results} for w in chosen],
+            "targets": targets({w.name: w for w in chosen}, ds.engram["world"]),
         }
     finally:
         if not args.keep:
