@@ -49,7 +49,7 @@ from stager.lock import writer_lock
 from stager.mirror import free_bytes
 from stager.records import (MOVED_NAME, SUMS_NAME, append_journal, append_moved, drop_from_sums, moved_block,
                             read_journal, update_sums)
-from stager.source import LocalReader
+from stager.sources.local import LocalReader
 from stager.units import format_size
 
 JOURNAL_NAME = "archive.jsonl"

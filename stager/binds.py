@@ -30,7 +30,8 @@ from pathlib import Path
 from stager.errors import BadInput, CannotRun
 from stager.hub import COMMIT, Problem, RepoSnapshot, is_excluded, is_shared_payload, require_hub, walk_repo
 from stager.manifest import Manifest
-from stager.source import LocalSource, open_source
+from stager.sources import open_source
+from stager.sources.local import LocalSource
 from stager.verify import check_local_chain
 
 SHARED_STORE = "blobs"

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from stager.atomic import AtomicFile
-from stager.source import DIRECT_ALIGN, LocalReader, aligned_buffer, reaching, reopen_direct
+from stager.sources.base import reaching
+from stager.sources.local import DIRECT_ALIGN, LocalReader, aligned_buffer, reopen_direct
 
 BUFFER_BYTES = 8 * 1024 * 1024
 BUFFERS = 3

@@ -25,7 +25,7 @@ import blake3
 import xxhash
 
 from stager.hub import GIT_SHA1_NAME, SHA256_NAME, Entry
-from stager.source import aligned_buffer
+from stager.sources.local import aligned_buffer
 
 HEAD_BYTES = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024 * 1024

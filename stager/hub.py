@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from stager.atomic import is_temp_name
 from stager.errors import CannotRun
-from stager.source import Source, Stat
+from stager.sources.base import Source, Stat
 
 SHARED_STORE = "blobs"
 SHARED_MARKER = "blobs/.huggingface-shared-blobs"

@@ -20,7 +20,8 @@ from stager.lock import writer_lock
 from stager.manifest import Manifest
 from stager.observe import DigestCache, observe
 from stager.plan import Plan, make_plan
-from stager.source import Source, open_source
+from stager.sources import open_source
+from stager.sources.base import Source
 from stager.units import format_size
 from stager.verify import NAS_FILE_BAD, Subset, VerifyReport, verify_snapshots
 

@@ -21,7 +21,8 @@ from stager import identity
 from stager.fingerprint import Digest, Reference, full_digest, judge, sampled_digest
 from stager.hub import SHARED_MARKER, RepoSnapshot, is_shared_payload
 from stager.plan import LocalState, final_files, kept_hops, wanted_links
-from stager.source import LocalReader, Source
+from stager.sources.base import Source
+from stager.sources.local import LocalReader
 
 META_LIMIT = 64 * 1024 * 1024
 

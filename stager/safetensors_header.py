@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass
 
 from stager.errors import BadInput
-from stager.source import Reader
+from stager.sources.base import Reader
 
 # Real headers are a few MiB at most (tens of thousands of tensors); a bigger one is corrupt.
 MAX_HEADER_BYTES = 100 * 1024 * 1024

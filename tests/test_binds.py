@@ -17,7 +17,7 @@ from hubgen import build_demo
 from ops_fixtures import container_view, stage
 from stager.hub import walk_repo
 from stager.manifest import load_manifest
-from stager.source import LocalSource
+from stager.sources.local import LocalSource
 
 FLASH, DRAFTER = "acme/Flash-3bpw", "acme/Flash-drafter"
 

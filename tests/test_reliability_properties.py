@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from stager.engram import partition
 from stager.hub import LinkError, resolve_chain
-from stager.source import LocalSource
+from stager.sources.local import LocalSource
 
 NAMES = ("a", "b", "c")
 KINDS = {"escape", "dangling", "loop", "not_a_file"}

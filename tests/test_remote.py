@@ -19,7 +19,8 @@ from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, build_remote_nas, hub
                              manifest_for, silent_port)
 from stager.errors import CannotRun
 from stager.hub import walk_repo
-from stager.source import LocalSource, open_source
+from stager.sources import open_source
+from stager.sources.local import LocalSource
 
 
 @pytest.fixture(autouse=True)

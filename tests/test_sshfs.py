@@ -23,7 +23,7 @@ from reliability_support import assert_hub_truthful, temp_files
 from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, SshServer, build_remote_nas, hub_tree, load_offline,
                              manifest_for)
 from stager.hub import walk_repo
-from stager.source import LocalSource
+from stager.sources.local import LocalSource
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0,
                                 reason="sshfs mounts need /dev/fuse and root")

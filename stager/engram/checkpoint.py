@@ -24,7 +24,9 @@ from stager.errors import BadInput, CannotRun
 from stager.hub import Entry, LinkError, is_excluded, repo_dir_name, resolve_chain, resolve_revision
 from stager.manifest import Manifest
 from stager.safetensors_header import SafetensorsHeader, TensorInfo, read_header
-from stager.source import LocalSource, Source, open_source
+from stager.sources import open_source
+from stager.sources.base import Source
+from stager.sources.local import LocalSource
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -28,7 +28,7 @@ from stager.errors import BadInput, CannotRun
 from stager.hub import Problem
 from stager.manifest import Manifest
 from stager.records import SUMS_NAME, read_sums
-from stager.source import LocalReader
+from stager.sources.local import LocalReader
 from stager.verify import VerifyReport
 
 SAMPLE_ROWS = 64  # seeded rows per sampled check, plus both boundary rows

@@ -37,7 +37,7 @@ from stager.lock import writer_lock
 from stager.manifest import Manifest
 from stager.mirror import free_bytes
 from stager.records import SUMS_NAME, read_sums, update_sums
-from stager.source import reopen_direct
+from stager.sources.local import reopen_direct
 from stager.units import format_size
 
 LOCK_NAME = ".locks/engram.lock"

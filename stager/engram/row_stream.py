@@ -22,7 +22,7 @@ from stager.engram.shard_format import ROW_BYTES, SCALE_BYTES, WEIGHT_BYTES
 
 assert WEIGHT_BYTES % 8 == 0 and SCALE_BYTES == 8  # the 8-byte-word interleave below relies on both
 from stager.errors import CannotRun
-from stager.source import aligned_buffer
+from stager.sources.local import aligned_buffer
 
 # 16384 rows per chunk: 4 MiB reads from the weight span (large enough for NFS with --from-nas),
 # 4.1 MiB interleaved. Measured per GiB packed: 1024-row chunks cost 15% more CPU in per-chunk

@@ -36,7 +36,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stager.errors import BadInput, CannotRun
-from stager.source import Stat, absolute_to_rel, relative_inside, stat_from_mode
+from stager.sources.base import Stat, absolute_to_rel, relative_inside, stat_from_mode
 
 SSH_KEY_ENV = "STAGE_SSH_KEY"
 KNOWN_HOSTS_ENV = "STAGE_SSH_KNOWN_HOSTS"
