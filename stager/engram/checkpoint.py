@@ -305,7 +305,8 @@ def open_checkpoint(manifest: Manifest, node_name: str, *, from_nas: bool) -> Ch
         pattern = next((p for p in model.exclude if is_excluded(name, [p])), None)
         if pattern is not None:
             raise BadInput(f'{manifest.path}: models."{engram.model}".exclude: {pattern!r} keeps {name} off the '
-                           f"node, and the Engram geometry is read from it (stop excluding it, or pass --from-nas)")
+                           f"node, and the Engram geometry is read from it (stop excluding it, or pack from the "
+                           f"NAS: `{hints.command('pack-engram', '--node', node_name, '--from-nas')}`)")
     raise not_staged
 
 
