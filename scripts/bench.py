@@ -205,6 +205,20 @@ def machine() -> dict:
             "kernel": platform.release(), "python": platform.python_version()}
 
 
+def code_under_test() -> str:
+    """The commit `stage` ran from, with `+changes` when stager/ differs from it: figures belong to a version."""
+    repo = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False).stdout.strip()
+        except OSError:
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    return f"{commit}+changes" if commit and git("status", "--porcelain", "--", "stager") else commit or "unknown"
+
+
 def filesystem_of(path: Path) -> str:
     out = subprocess.run(["df", "--output=source,fstype,size", "-h", str(path)], capture_output=True, text=True,
                          check=False).stdout.splitlines()
@@ -656,8 +670,8 @@ def targets(results: dict[str, Workload], world: int) -> list[dict]:
         ("wall: cold mirror --full / cp -rL && sync", paired("cold_mirror_full", "stage mirror --full", "wall_ratio"),
          "<=", 1.25),
         ("wall: pack-engram, one rank / cp && sync", paired("pack_engram", None, "wall_ratio"), "<=", 1.3),
-        (f"wall: pack-engram, {world} ranks / cp of their bytes && sync", paired("pack_engram_node", None, "wall_ratio"),
-         "<=", 1.3),
+        (f"wall: pack-engram, {world} ranks / cp of their bytes && sync",
+         paired("pack_engram_node", None, "wall_ratio"), "<=", 1.3),
         ("wall: cold mirror / rsync -aL && sync",
          across(("cold_mirror", "stage mirror"), ("cold_mirror", "rsync -aL && sync")), "<", 1.0),
         ("wall: cold mirror / rclone copy -L && sync",
@@ -694,7 +708,8 @@ def markdown(report: dict) -> str:
         f"Hub: {data['hub_gib']} GiB in {data['blobs']} blobs ({data['hub_bytes'] / GB:.2f} GB); Engram: "
         f"{data['engram_rows']:,} rows, TP={data['engram_world']}, rank 0 {data['engram_shard_bytes'] / GB:.3f} GB, "
         f"all ranks {data['engram_all_bytes'] / GB:.3f} GB.",
-        f"{report['reps']} timed rounds after {report['warmup']} warm-up, the order rotated each round; "
+        f"Code: {report['code']}. {report['reps']} timed rounds after {report['warmup']} warm-up, "
+        f"the order rotated each round; "
         f"before each run: sync, page cache "
         f"{'dropped before every cold run' if report['page_cache_dropped'] else 'NOT dropped (not root)'}, "
         f"Dirty+Writeback under {SETTLED_DIRTY_KIB // 1024} MiB, {report['settle_s']} s pause.",
@@ -786,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
             measure(workload, reps, warmup, can_drop, pause)
         report = {
             "machine": {**machine(), "filesystem": filesystem_of(workdir)},
+            "code": code_under_test(),
             "command": shlex.join([Path(sys.executable).name, "scripts/bench.py", *(argv or sys.argv[1:])]),
             "reps": reps,
             "warmup": warmup,
