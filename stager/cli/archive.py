@@ -34,11 +34,11 @@ def archive(
         terminal.emit_json(report.to_json())
     else:
         summary = report.to_json()
-        terminal.say(f"archive: moved {summary['moved_files']} files ({terminal.size(summary['moved_bytes'])}; "
+        terminal.report(f"archive: moved {summary['moved_files']} files ({terminal.size(summary['moved_bytes'])}; "
                      f"{summary['adopted_files']} adopted) to {terminal.printable(report.dest)}, "
                      f"{len(report.skipped)} skipped, {len(report.problems)} problems in {report.seconds:.1f}s")
         for note in report.notes:
-            terminal.say(f"  note: {terminal.printable(note)}")
-        terminal.print_problems(report.skipped)
-        terminal.print_problems(report.problems)
+            terminal.report(f"  note: {terminal.printable(note)}")
+        terminal.print_problems(report.skipped, to_stdout=True)
+        terminal.print_problems(report.problems, to_stdout=True)
     terminal.exit_with(report.problems)
