@@ -397,7 +397,7 @@ def measure(workload: Workload, reps: int, warmup: int, can_drop: bool, pause: f
     names = [c.name for c in workload.commands]
     runs: dict[str, list[Run]] = {name: [] for name in names}
     for round_no in range(warmup + reps):
-        shift = round_no % len(workload.commands)
+        shift = (round_no - warmup) % len(workload.commands)  # timed round 1 runs the commands as listed
         order = workload.commands[shift:] + workload.commands[:shift]
         timed = round_no >= warmup
         label = f"round {round_no - warmup + 1}/{reps}" if timed else "warm-up"
@@ -797,11 +797,14 @@ def main(argv: list[str] | None = None) -> int:
                                                 str(ds.manifest)]))
         chosen = [w for w in workloads(ds, peers) if not args.only or w.name in args.only]
         load_before = os.getloadavg()
+        code = code_under_test()
         for workload in chosen:
             measure(workload, reps, warmup, can_drop, pause)
+        code_at_end = code_under_test()
         report = {
             "machine": {**machine(), "filesystem": filesystem_of(workdir)},
-            "code": code_under_test(),
+            # Each run imports stager as it is at that moment: a commit landing mid-run shows here.
+            "code": code if code_at_end == code else f"{code} at the start, {code_at_end} at the end",
             "command": shlex.join([Path(sys.executable).name, "scripts/bench.py", *(argv or sys.argv[1:])]),
             "reps": reps,
             "warmup": warmup,
