@@ -16,4 +16,10 @@ fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test,fleet]'
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# A temp root of this run's own: another pytest on the machine never cleans it away under us,
+# and nothing of it outlives the run.
+base=$(mktemp -d "${TMPDIR:-/tmp}/stager-tests.XXXXXX")
+status=0
+.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$base/t" "$@" || status=$?
+rm -rf --one-file-system "$base"
+exit "$status"
