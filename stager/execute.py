@@ -177,12 +177,9 @@ def writable_dir(local_hub: Path, rel_dir: str, never_write: tuple[str, ...] = (
         ensure_dir(path)
     except OSError as exc:
         raise CannotRun(f"cannot create {exc.filename or path} in the node hub: {exc.strerror}") from None
-    real, root = os.path.realpath(path), os.path.realpath(local_hub)
-    if real != root and not real.startswith(root + "/"):
-        raise CannotRun(f"{path} resolves to {real}, outside the node hub; refusing to write through a link")
-    for source in never_write:
-        if identity.inside(real, source):
-            raise CannotRun(f"{path} lies in the source {source} (a link or mount); refusing to write there")
+    escape = identity.escape_from(os.path.realpath(path), os.path.realpath(local_hub), never_write)
+    if escape:
+        raise CannotRun(f"{path} {escape}; refusing to write through a link")
     if rel_dir == SHARED_STORE or rel_dir.startswith(SHARED_STORE + "/"):
         store_modes.fix_directory(path, local_hub)
     return path

@@ -140,3 +140,15 @@ def writers(ids: set[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
             if (st.st_dev, st.st_ino) in ids:
                 found.setdefault((st.st_dev, st.st_ino), []).append(int(pid))
     return found
+
+
+def escape_from(real_dir: str, root: str, sources: tuple[str, ...] = ()) -> str | None:
+    """Why a resolved directory of the node hub (`root`, also resolved) is not really in it, or
+    None: it resolves outside the hub (a directory link), or into one of `sources` (a link or a
+    mount of the NAS). The one rule for the observer, the executor and the verifier."""
+    if real_dir != root and not real_dir.startswith(root.rstrip("/") + "/"):
+        return f"resolves to {real_dir}, outside the local hub, through a directory link"
+    for source in sources:
+        if inside(real_dir, source):
+            return f"lies in the source {source} (through a link or mount)"
+    return None

@@ -140,10 +140,7 @@ def reference_source(job: NodeJob) -> Source:
 
 def free_bytes(path: Path) -> int:
     """Free space for an unprivileged writer on the filesystem that holds (or will hold) `path`."""
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
+    return shutil.disk_usage(_nearest_existing(path)).free
 
 
 def preflight(plan: Plan, job: NodeJob) -> None:
@@ -211,10 +208,14 @@ def _hub_lock(job: NodeJob) -> Iterator[bool]:
 
 
 def _read_only(path: Path) -> bool:
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    return bool(os.statvfs(_nearest_existing(path)).f_flag & os.ST_RDONLY)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or the closest ancestor that exists: what a hub not made yet will live on."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _summarize(report: MirrorReport, plan: Plan, started: float) -> MirrorReport:

@@ -121,7 +121,7 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
     finals = final_files(snapshots)
     progress = progress_factory(sum(e.size for e, _ in finals.values())) if full and progress_factory else None
     root = os.path.realpath(local_hub)
-    elsewhere = functools.lru_cache(maxsize=None)(lambda real_dir: _elsewhere(real_dir, root, sources))
+    elsewhere = functools.lru_cache(maxsize=None)(lambda real_dir: identity.escape_from(real_dir, root, sources))
 
     def look_at_final(dest: str) -> tuple[str, LocalState]:
         entry, reference = finals[dest]
@@ -151,12 +151,6 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
                 state = LocalState("absent")
         local[rel] = state
     return Observation(local, meta_content)
-
-
-def _elsewhere(real_dir: str, root: str, sources: tuple[str, ...]) -> bool:
-    if real_dir != root and not real_dir.startswith(root + "/"):
-        return True
-    return any(identity.inside(real_dir, source) for source in sources)
 
 
 def _identity(path: Path) -> tuple[int, int, int, int] | None:

@@ -122,7 +122,7 @@ def check_local_chain(local_hub: Path, entry_rel: str, realpath=os.path.realpath
             return None, Problem(str(local_hub / entry_rel), kind,
                                  "not staged" if kind == "missing" else f"link target {path} does not exist"), links
         if stat.S_ISREG(st.st_mode):
-            where = _outside(realpath(path.parent), root, sources)
+            where = _escape_from(realpath(path.parent), root, sources)
             if where:
                 return None, Problem(str(local_hub / entry_rel), "remote", f"{path} {where}"), links
             return current, None, links
@@ -138,19 +138,8 @@ def check_local_chain(local_hub: Path, entry_rel: str, realpath=os.path.realpath
     return None, Problem(str(local_hub / entry_rel), "loop", "more than 40 link hops"), links
 
 
-@functools.lru_cache(maxsize=4096)
-def _outside_sources(real_dir: str, sources: tuple[str, ...]) -> str | None:
-    for source in sources:
-        if identity.inside(real_dir, source):
-            return f"lies in the source {source} (through a link or mount)"
-    return None
-
-
-def _outside(real_dir: str, root: str, sources: tuple[str, ...]) -> str | None:
-    """Why a file in `real_dir` is not on the node hub, or None."""
-    if real_dir != root and not real_dir.startswith(root + "/"):
-        return f"resolves to {real_dir}, outside the local hub, through a directory link"
-    return _outside_sources(real_dir, sources) if sources else None
+# Many entries share a few directories; each pass clears it, since links may change between runs.
+_escape_from = functools.lru_cache(maxsize=4096)(identity.escape_from)
 
 
 def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cache: DigestCache, *,
@@ -162,7 +151,7 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
                           subset=str(subset) if subset else None)
     work: list[tuple[Entry, RepoSnapshot, str]] = []
     realpath = functools.lru_cache(maxsize=None)(os.path.realpath)  # this pass only: links may change later
-    _outside_sources.cache_clear()
+    _escape_from.cache_clear()
     for snap in snapshots:
         report.excluded.extend(snap.excluded)
         for entry in snap.entries:
