@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from stager import identity
 from stager.errors import BadInput
 from stager.units import parse_size
 
@@ -185,6 +186,20 @@ class Manifest(_Strict):
         targets, and any local source given on the command line. sftp:// sources are not local."""
         roots = [self.nas.hub, *self.nas.aliases.values(), *extra]
         return [r.removeprefix("file://") for r in roots if r and ("://" not in r or r.startswith("file://"))]
+
+    def refuse_source_overlap(self, key: str, dest: str, extra: list[str] = ()) -> None:
+        """Exit 2 when a destination (`key` = `dest`) is, lies in, or holds a local source,
+        however spelled (see identity.py).
+
+        Checked when a command is about to write, not when the manifest is parsed: a node hub that
+        was a symlink to the NAS passed a comparison of spellings, and the mirror wrote its lock
+        into the NAS; an engram_dir linked into a NAS repo got shards written there."""
+        for root in self.local_sources(extra):
+            if identity.overlap(dest, root):
+                shown = identity.resolved(dest)
+                via = f" (resolves to {shown})" if shown != dest else ""
+                raise BadInput(f"{self.path}: {key}: {dest}{via} is, lies inside or holds the source {root}; "
+                               "this tool never writes there")
 
     def source_for(self, node_name: str) -> str:
         """Where this node stages from: its own `source` override, else the NAS hub."""

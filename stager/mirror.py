@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from stager import hints
-from stager import identity
 from stager.errors import BadInput, CannotRun
 from stager.execute import execute, publish_refs
 from stager.hub import ExcludeError, Problem, RepoSnapshot, require_hub, walk_repo
@@ -84,8 +83,7 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
         if repo_id not in config.models:
             raise BadInput(f"{manifest.path}: nodes.{node}.models: {repo_id!r} is not staged on {node}")
     url = source_override or manifest.source_for(node)
-    roots = manifest.local_sources([url])
-    refuse_source_overlap(manifest.path, f"nodes.{node}.hub", config.hub, roots)
+    manifest.refuse_source_overlap(f"nodes.{node}.hub", config.hub, [url])
     source = open_source(url, manifest.nas.aliases)
     return NodeJob(
         node=node,
@@ -98,19 +96,8 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
         nas=None if url == manifest.nas.hub else manifest.nas.hub,
         aliases=dict(manifest.nas.aliases),
         manifest=manifest.path,
-        never_write=tuple(roots),
+        never_write=tuple(manifest.local_sources([url])),
     )
-
-
-def refuse_source_overlap(manifest_path: str, key: str, dest: str, roots: list[str]) -> None:
-    """Exit 2 when a destination is, lies in, or holds a source, however spelled (see identity.py).
-
-    Checked when the command runs, not when the manifest is parsed: a node hub that was a symlink
-    to the NAS passed the string comparison, and the mirror wrote its lock into the NAS."""
-    for root in roots:
-        if identity.overlap(dest, root):
-            raise BadInput(f"{manifest_path}: {key}: {dest} is, lies inside or holds the source {root} "
-                           f"(resolved: {identity.resolved(dest)}); this tool never writes there")
 
 
 def walk(job: NodeJob, source: Source | None = None) -> list[RepoSnapshot]:

@@ -7,7 +7,6 @@ engram_dir on the NAS exit 2 here, not halfway through a pack.
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from stager.engram.checkpoint import Checkpoint, engram_config, open_checkpoint
 from stager.engram.layouts import partition
 from stager.engram.shard_format import ShardSpec
 from stager.errors import BadInput
-from stager.identity import overlap
 from stager.manifest import Manifest
 
 
@@ -101,22 +99,8 @@ def choose_node(manifest: Manifest, node: str | None) -> str:
 
 def refuse_engram_dir_on_nas(manifest: Manifest, node_name: str) -> None:
     """Exit 2 if the node's engram_dir is, lies inside or holds the NAS hub, the node's source or
-    an alias target, however spelled.
-
-    Checked here, when the directory is about to be written, by identity (resolved path, inode,
-    bind mounts): the manifest validator compares spellings, and an engram_dir that was a symlink
-    into a NAS repo passed it, after which shards, receipts and SHA256SUMS were written on the NAS."""
+    an alias target, however spelled: checked by identity when the directory is about to be
+    written (an engram_dir linked into a NAS repo once got shards, receipts and SHA256SUMS)."""
     node = manifest.node(node_name)
-    places = [("the NAS hub", manifest.nas.hub), ("the node's source", node.source)]
-    places += [(f"the target of NAS alias {prefix}", target) for prefix, target in manifest.nas.aliases.items()]
-    for what, place in places:
-        if not place or ("://" in place and not place.startswith("file://")):
-            continue  # a remote hub is not a path on this host
-        place = place.removeprefix("file://")
-        # realpath first: it resolves `link/..` as the kernel does (the link, then its parent),
-        # where a lexical normalisation drops both and names another directory.
-        shown = os.path.realpath(node.engram_dir)
-        if overlap(shown, os.path.realpath(place)):
-            via = f" (resolves to {shown})" if shown != node.engram_dir else ""
-            raise BadInput(f"{manifest.path}: nodes.{node_name}.engram_dir: {node.engram_dir}{via} overlaps {what} "
-                           f"{place}, which this tool never writes")
+    manifest.refuse_source_overlap(f"nodes.{node_name}.engram_dir", node.engram_dir,
+                                   [node.source] if node.source else [])
