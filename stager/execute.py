@@ -247,7 +247,7 @@ class _Mismatch(Exception):
     pass
 
 
-def _unchanged_during_copy(reader, before: tuple[int, ...], out, seed: int) -> None:
+def _unchanged_during_copy(reader, before: tuple[int, ...], copied_sample: Digest, seed: int) -> None:
     """Refuse a copy whose source moved under it: a file rewritten in place during the copy was
     staged torn (old head, new tail) and one still growing as a prefix, both under exit 0, where
     the only hash was of the bytes just read. Size, mtime and ctime must not have moved, and a
@@ -258,7 +258,7 @@ def _unchanged_during_copy(reader, before: tuple[int, ...], out, seed: int) -> N
                         "not staged, run the mirror again once the file is complete")
     if hasattr(reader, "drop_cache"):
         reader.drop_cache()
-    if judge(sampled_digest(out, seed), sampled_digest(reader, seed)) is not Verdict.MATCH:
+    if judge(copied_sample, sampled_digest(reader, seed)) is not Verdict.MATCH:
         raise _Mismatch("a fresh sample of the source differs from the copy: the source changed while it was "
                         "copied; not staged, run the mirror again once the file is complete")
 
@@ -294,7 +294,8 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
             else:
                 got = sampled_digest(out, cache.seed)
                 expected = cache.sampled(copy.source)
-            _unchanged_during_copy(reader, before, out, cache.seed)
+            # The sample of the copy is read once: the default mode already took it as `got`.
+            _unchanged_during_copy(reader, before, sampled_digest(out, cache.seed) if full else got, cache.seed)
             if judge(got, expected) is not Verdict.MATCH and full and copy.reference.value is not None:
                 # The bytes just read from the NAS, unchanged during the read, are not what their
                 # own name (or the trees listing) says: no copy of them can be right.
