@@ -45,7 +45,7 @@ from stager.errors import BadInput, CannotRun
 from stager.fingerprint import Digest, Verdict, full_digest, judge
 from stager.hub import Problem
 from stager.identity import file_id, overlap, resolved, same_place, writers
-from stager.lock import writer_lock
+from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, writer_lock
 from stager.mirror import free_bytes
 from stager.records import (MOVED_NAME, SUMS_NAME, append_journal, append_moved, drop_from_sums, moved_block,
                             read_journal, update_sums)
@@ -53,9 +53,8 @@ from stager.sources.local import LocalReader
 from stager.units import format_size
 
 JOURNAL_NAME = "archive.jsonl"
-LOCK_NAME = ".stage-archive.lock"
 # This tool's records: never archived as data, wherever they are found, and never written through a link.
-RECORDS = (SUMS_NAME, JOURNAL_NAME, LOCK_NAME, MOVED_NAME)
+RECORDS = (SUMS_NAME, JOURNAL_NAME, ARCHIVE_LOCK, MOVED_NAME)
 # Records are written once per batch, not per file: SHA256SUMS rewritten after each of 2,000 small
 # shards took 23 s. A kill costs the re-run at most about one batch of re-hashing on both sides.
 BATCH_BYTES = 1 << 30
@@ -285,6 +284,8 @@ def _walk_dir(group: Path, here: Path, dest: Path, files: dict[str, SourceFile],
         st = entry.stat(follow_symlinks=False)
         if entry.name in RECORDS and not stat.S_ISDIR(st.st_mode):
             continue  # a record of an earlier move or archive stays with its directory
+        if entry.name == ".locks" and stat.S_ISDIR(st.st_mode):
+            continue  # writer locks (this tool's, huggingface_hub's): moving one lets a second writer in
         if stat.S_ISLNK(st.st_mode):
             # Following it could archive (and delete) files outside SRC.
             skipped.append(Problem(str(path), "symlink", f"link to {os.readlink(path)} left in place, not followed"))
@@ -403,10 +404,15 @@ def refuse_linked_records(walked: Walked, dest: Path) -> None:
     """Exit 3 before anything is copied when a record this run writes is a symlink (the writes would
     replace the link, but a link planted there is an attack or a mistake worth stopping for)."""
     paths = [dest / SUMS_NAME, dest / JOURNAL_NAME, *(g / MOVED_NAME for g in {f.group for f in walked.files}),
-             *(d / SUMS_NAME for d in {d for f in walked.files for d in _between(f.path.parent, f.group)})]
+             *(d / SUMS_NAME for d in _record_dirs(walked))]
     for path in paths:
         if os.path.islink(path):
             raise CannotRun(f"{path} is a symlink to {os.readlink(path)}; refusing to write a record through it")
+
+
+def _record_dirs(walked: Walked) -> set[Path]:
+    """The source directories whose SHA256SUMS this run may rewrite."""
+    return {d for f in walked.files for d in _between(f.path.parent, f.group)}
 
 
 def _between(directory: Path, group: Path) -> list[Path]:
@@ -509,7 +515,7 @@ def archive(sources: list[str], dest: str, *, protected: tuple[str, ...] = (),
     check_targets(walked, dest_dir, named, protected)
     report = ArchiveReport(str(dest_dir), skipped=list(walked.skipped), problems=list(walked.problems),
                            already_archived=list(walked.already_archived))
-    with writer_lock(dest_dir / LOCK_NAME, f"archive {dest_dir}"):
+    with writer_lock(dest_dir / ARCHIVE_LOCK, f"archive {dest_dir}"), _engram_locks(walked):
         refuse_linked_records(walked, dest_dir)
         for leftover in walked.leftovers:  # a killed run's; only this tool writes these names
             with contextlib.suppress(FileNotFoundError):
@@ -539,6 +545,20 @@ def archive(sources: list[str], dest: str, *, protected: tuple[str, ...] = (),
         report.moved_txt = sorted(mover.moved_txt)
     report.seconds = time.monotonic() - started
     return report
+
+
+@contextlib.contextmanager
+def _engram_locks(walked: Walked) -> Iterator[None]:
+    """pack-engram's lock on every source directory that has one and whose records this run rewrites.
+
+    pack-engram and archive both rewrite an engram_dir's SHA256SUMS (archive drops the moved shards'
+    lines); under two different locks, a pack finishing during an archive lost the archive's edit,
+    or the other way round. A directory never packed has no such lock file, and none is made there."""
+    with contextlib.ExitStack() as held:
+        for directory in sorted(_record_dirs(walked)):
+            if os.path.lexists(directory / ENGRAM_LOCK):
+                held.enter_context(writer_lock(directory / ENGRAM_LOCK, f"engram directory {directory}"))
+        yield
 
 
 def _batches(steps: list[Step]) -> Iterator[list[Step]]:

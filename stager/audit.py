@@ -36,13 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager import __version__
-from stager.archive import LOCK_NAME as ARCHIVE_LOCK
 from stager.atomic import atomic_write_bytes, is_temp_name
 from stager.errors import StageError
 from stager.fingerprint import Verdict
 from stager.hub import MAX_HOPS, Problem, repo_dir_name
+from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, HUB_LOCK
 from stager.manifest import Manifest, load_manifest
-from stager.mirror import LOCK_NAME as MIRROR_LOCK
 from stager.mirror import node_job, walk
 from stager.plan import LocalState, final_files, make_plan
 from stager.units import format_size
@@ -56,9 +55,6 @@ TOP_RECLAIMABLE = 10
 ORPHAN_KINDS = ("blob", "shared-blob", "shard", "temp")
 REPO_KINDS = ("models", "datasets", "spaces")
 PROC_LOCKS = "/proc/locks"
-# pack-engram's lock, spelled out so that an audit does not import numpy (a third of a second on
-# every run); tests/test_audit_live.py checks that the real packer refuses while it is held.
-ENGRAM_LOCK = ".locks/engram.lock"
 
 
 def shown(text: str) -> str:
@@ -501,7 +497,7 @@ def guarding_locks(path: str, hub: str, engram_dir: str | None) -> list[Path]:
     and huggingface_hub's own download lock for a `blobs/*.incomplete`."""
     locks = []
     if _inside(path, hub):
-        locks.append(Path(hub) / MIRROR_LOCK)
+        locks.append(Path(hub) / HUB_LOCK)
         repo_blobs = os.path.dirname(path)
         if path.endswith(".incomplete") and os.path.basename(repo_blobs) == "blobs" \
                 and os.path.dirname(os.path.dirname(repo_blobs)) == hub.rstrip("/"):

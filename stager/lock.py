@@ -13,6 +13,12 @@ from pathlib import Path
 from stager.atomic import ensure_real_dir, open_for_write
 from stager.errors import CannotRun
 
+# Every writer lock this tool takes, by what it guards. operations.md lists them for operators, and
+# the audit reads /proc/locks for them; a command that writes into a place takes that place's lock.
+HUB_LOCK = ".locks/stager.lock"  # in a node hub; huggingface_hub's scanner skips .locks/
+ENGRAM_LOCK = ".locks/engram.lock"  # in an engram_dir: pack-engram, and archive when it rewrites its records
+ARCHIVE_LOCK = ".stage-archive.lock"  # in an archive DEST
+
 
 @contextlib.contextmanager
 def writer_lock(lock_path: Path, what: str) -> Iterator[None]:

@@ -1,8 +1,12 @@
-"""The cluster manifest (`manifests/*.toml`): what each node stages, validated by pydantic.
+"""The cluster manifest (`manifests/*.toml`): what each node stages, checked key by key.
 
-Every key that operators write is a field here; unknown keys are refused, because
-a typo such as `exlcude` would otherwise stage files the operator meant to keep
-on the NAS.  Errors name the file, the dotted key and what was expected.
+Every key that operators write is a field here; unknown keys are refused, because a typo such as
+`exlcude` would otherwise stage files the operator meant to keep on the NAS. Errors name the file,
+the dotted key and what was expected, and every problem in the file is listed at once.
+
+The schema is a dozen keys, read by the small table reader below rather than by a validation
+library: every command reads the manifest first, so its import is on the start-up path of every
+`stage` run (docs/benchmarks.md, "Start-up").
 """
 
 from __future__ import annotations
@@ -10,10 +14,9 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Literal
-
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from typing import Callable
 
 from stager import identity
 from stager.errors import BadInput
@@ -30,96 +33,203 @@ _SSH_ADDRESS = re.compile(r"^([A-Za-z0-9._-]+@)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
-def _size(value: object) -> int:
+# --- Reading values ---------------------------------------------------------------------------
+# A reader takes the TOML value of one key and returns what the field holds. A problem with the
+# value itself is a ValueError; a container whose items have problems raises _Invalid with each
+# item's key, so that the message names the innermost key ("nodes.dgx1.ranks.1").
+
+Key = tuple  # dotted key parts: table names, key names, list positions
+
+
+class _Invalid(Exception):
+    def __init__(self, problems: list[tuple[Key, str]]):
+        super().__init__(problems)
+        self.problems = problems
+
+
+def _read(reader: Callable, value: object, key: Key, problems: list[tuple[Key, str]]) -> object:
+    """`reader(value)`, with its problems added to `problems` under `key` (None if there were any)."""
     try:
-        return parse_size(value)  # type: ignore[arg-type]
+        return reader(value)
     except ValueError as exc:
-        raise ValueError(str(exc)) from None
+        problems.append((key, str(exc)))
+    except _Invalid as exc:
+        problems.extend(((*key, *inner), message) for inner, message in exc.problems)
+    return None
 
 
-ByteSize = Annotated[int, BeforeValidator(_size)]
+def _text(value: object) -> str:
+    # TOML has strings and numbers: `world = "3"` is a string where a count belongs, and no value
+    # is converted from one kind to the other.
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
 
 
-class _Strict(BaseModel):
-    # strict: `world = "3"` is a string where a count belongs, not a count (TOML has both types).
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+def _whole(minimum: int | None = None) -> Callable[[object], int]:
+    def read(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected a whole number, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise ValueError(f"expected a whole number of at least {minimum}, got {value!r}")
+        return value
+    return read
 
 
-class NasConfig(_Strict):
-    hub: str = Field(description="The NAS's Hugging Face hub cache: a path, or an sftp:// URL")
-    aliases: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("aliases")
-    @classmethod
-    def _absolute_aliases(cls, aliases: dict[str, str]) -> dict[str, str]:
-        for prefix, target in aliases.items():
-            if not prefix.startswith("/") or not target.startswith("/"):
-                raise ValueError(f"alias {prefix!r} = {target!r}: both sides must be absolute paths")
-        return aliases
+def _one_of(*choices: str) -> Callable[[object], str]:
+    def read(value: object) -> str:
+        if value not in choices:
+            raise ValueError(f"expected {' or '.join(map(repr, choices))}, got {value!r}")
+        return value  # type: ignore[return-value]
+    return read
 
 
-class ModelConfig(_Strict):
-    revision: str = "main"
-    exclude: list[str] = Field(default_factory=list)
+def _list_of(item: Callable) -> Callable[[object], list]:
+    def read(value: object) -> list:
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {value!r}")
+        problems: list[tuple[Key, str]] = []
+        items = [_read(item, v, (i,), problems) for i, v in enumerate(value)]
+        if problems:
+            raise _Invalid(problems)
+        return items
+    return read
 
-    @field_validator("revision")
-    @classmethod
-    def _safe_revision(cls, revision: str) -> str:
-        parts = revision.split("/")
-        if not revision or revision.startswith("/") or any(p in ("", ".", "..") for p in parts):
-            raise ValueError(f"expected a branch, tag or commit, got {revision!r}")
-        return revision
+
+def _table_of(item: Callable) -> Callable[[object], dict]:
+    """A TOML table whose keys are names the operator chooses (repo ids, node names, aliases)."""
+    def read(value: object) -> dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a table, got {value!r}")
+        problems: list[tuple[Key, str]] = []
+        items = {k: _read(item, v, (k,), problems) for k, v in value.items()}
+        if problems:
+            raise _Invalid(problems)
+        return items
+    return read
 
 
-class NodeConfig(_Strict):
-    hub: str = Field(description="Node-local hub cache: the mirror's destination")
-    reserve: ByteSize = 0
-    models: list[str] = Field(default_factory=list)
-    engram_dir: str | None = None
-    rank: int | None = Field(default=None, ge=0)
-    ranks: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, description="The TP ranks this node "
-                                                            "serves, one per GPU; `rank` for a single one")
-    source: str | None = Field(default=None, description="Overrides nas.hub as this node's source")
-    address: str | None = Field(default=None, description="[user@]host[:port]: where peers reach this node's "
-                                "hub over SFTP (`stage fleet mirror --fan-out`)")
+def _table(cls: type, **fixed: object) -> Callable[[object], object]:
+    """A TOML table whose keys are the fields of `cls` made with `_key`: unknown keys and missing
+    required keys are problems, every key's value goes through its field's reader, then
+    `cls(..., **fixed)` checks the keys together (its __post_init__ raises ValueError or _Invalid)."""
+    def read(value: object) -> object:
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a table, got {value!r}")
+        keys = {f.name: f for f in fields(cls) if "read" in f.metadata}
+        problems: list[tuple[Key, str]] = [((k,), "unknown key") for k in value if k not in keys]
+        values = {}
+        for name, spec in keys.items():
+            if name in value:
+                values[name] = _read(spec.metadata["read"], value[name], (name,), problems)
+            elif spec.default is MISSING and spec.default_factory is MISSING:
+                problems.append(((name,), "required key is missing"))
+        if problems:
+            raise _Invalid(problems)
+        return cls(**values, **fixed)
+    return read
 
-    @field_validator("models")
-    @classmethod
-    def _listed_once(cls, models: list[str]) -> list[str]:
-        twice = sorted({m for m in models if models.count(m) > 1})
-        if twice:
-            raise ValueError(f"{', '.join(twice)} listed more than once")
-        return models
 
-    @field_validator("address")
-    @classmethod
-    def _ssh_address(cls, address: str | None) -> str | None:
-        if address is not None and not _SSH_ADDRESS.match(address):
-            raise ValueError(f"expected [user@]host[:port], got {address!r}")
-        return address
+def _key(reader: Callable, default: object = MISSING):
+    """A manifest key: its reader, and its default when it may be left out."""
+    metadata = {"read": reader}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
-    @field_validator("hub", "engram_dir")
-    @classmethod
-    def _absolute(cls, path: str | None) -> str | None:
-        if path is not None and not os.path.isabs(path):
-            raise ValueError(f"expected an absolute path, got {path!r}")
-        return path
 
-    @field_validator("ranks")
-    @classmethod
-    def _ranks_once(cls, ranks: list[int] | None) -> list[int] | None:
-        if ranks is not None and not ranks:
-            raise ValueError("an empty list serves no rank; leave ranks out to serve every rank")
-        twice = sorted({r for r in ranks or () if ranks.count(r) > 1})
-        if twice:
-            raise ValueError(f"rank {twice[0]} listed more than once")
-        return ranks
+def _absolute_path(value: object) -> str:
+    path = _text(value)
+    if not os.path.isabs(path):
+        raise ValueError(f"expected an absolute path, got {path!r}")
+    return path
 
-    @model_validator(mode="after")
-    def _rank_or_ranks(self) -> "NodeConfig":
+
+def _revision(value: object) -> str:
+    revision = _text(value)
+    parts = revision.split("/")
+    if not revision or revision.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"expected a branch, tag or commit, got {revision!r}")
+    return revision
+
+
+def _ssh_address(value: object) -> str:
+    address = _text(value)
+    if not _SSH_ADDRESS.match(address):
+        raise ValueError(f"expected [user@]host[:port], got {address!r}")
+    return address
+
+
+def _byte_size(value: object) -> int:
+    return parse_size(value)  # type: ignore[arg-type]  # it refuses floats and booleans itself
+
+
+def _aliases(value: object) -> dict[str, str]:
+    aliases = _table_of(_text)(value)
+    for prefix, target in aliases.items():
+        if not prefix.startswith("/") or not target.startswith("/"):
+            raise ValueError(f"alias {prefix!r} = {target!r}: both sides must be absolute paths")
+    return aliases
+
+
+def _node_models(value: object) -> list[str]:
+    models = _list_of(_text)(value)
+    twice = sorted({m for m in models if models.count(m) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed more than once")
+    return models
+
+
+def _ranks(value: object) -> list[int]:
+    ranks = _list_of(_whole(0))(value)
+    if not ranks:
+        raise ValueError("an empty list serves no rank; leave ranks out to serve every rank")
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        raise ValueError(f"rank {twice[0]} listed more than once")
+    return ranks
+
+
+def _repo_ids(read_models: Callable) -> Callable[[object], dict]:
+    def read(value: object) -> dict:
+        if isinstance(value, dict):
+            bad = [((repo_id,), "not a valid repo id (expected 'owner/name')")
+                   for repo_id in value if not _REPO_ID.match(repo_id) or ".." in repo_id]
+            if bad:
+                raise _Invalid(bad)
+        return read_models(value)
+    return read
+
+
+# --- The manifest -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NasConfig:
+    hub: str = _key(_text)  # the NAS's Hugging Face hub cache: a path, or an sftp:// URL
+    aliases: dict[str, str] = _key(_aliases, {})  # absolute link targets on the NAS host -> their path here
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    revision: str = _key(_revision, "main")
+    exclude: list[str] = _key(_list_of(_text), [])
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    hub: str = _key(_absolute_path)  # the node-local hub cache: the mirror's destination
+    reserve: int = _key(_byte_size, 0)  # bytes kept free; a bare integer is bytes
+    models: list[str] = _key(_node_models, [])
+    engram_dir: str | None = _key(_absolute_path, None)
+    rank: int | None = _key(_whole(0), None)
+    ranks: list[int] | None = _key(_ranks, None)  # the TP ranks this node serves, one per GPU; `rank` for one
+    source: str | None = _key(_text, None)  # overrides nas.hub as this node's source
+    # [user@]host[:port]: where peers reach this node's hub over SFTP (`stage fleet mirror --fan-out`)
+    address: str | None = _key(_ssh_address, None)
+
+    def __post_init__(self) -> None:
         if self.rank is not None and self.ranks is not None:
             raise ValueError("rank and ranks are both set; keep one (ranks = [...] for several)")
-        return self
 
     @property
     def engram_ranks(self) -> list[int] | None:
@@ -127,53 +237,47 @@ class NodeConfig(_Strict):
         return self.ranks if self.ranks is not None else None if self.rank is None else [self.rank]
 
 
-class EngramConfig(_Strict):
-    model: str
-    world: int = Field(ge=1)
-    layout: Literal["floor", "heads"] = "floor"
-    engram_head_rows: list[int] | None = None
-    layers: list[int] | None = None
+@dataclass(frozen=True)
+class EngramConfig:
+    model: str = _key(_text)
+    world: int = _key(_whole(1))
+    layout: str = _key(_one_of("floor", "heads"), "floor")
+    engram_head_rows: list[int] | None = _key(_list_of(_whole()), None)
+    layers: list[int] | None = _key(_list_of(_whole()), None)
 
 
-class Manifest(_Strict):
-    nas: NasConfig
-    models: dict[str, ModelConfig] = Field(default_factory=dict)
-    nodes: dict[str, NodeConfig] = Field(default_factory=dict)
-    engram: EngramConfig | None = None
-    path: str = Field(default="", exclude=True, description="Where the manifest was read from")
+@dataclass(frozen=True)
+class Manifest:
+    nas: NasConfig = _key(_table(NasConfig))
+    models: dict[str, ModelConfig] = _key(_repo_ids(_table_of(_table(ModelConfig))), {})
+    nodes: dict[str, NodeConfig] = _key(_table_of(_table(NodeConfig)), {})
+    engram: EngramConfig | None = _key(_table(EngramConfig), None)
+    path: str = ""  # where the manifest was read from; not a key
 
-    @field_validator("models")
-    @classmethod
-    def _repo_ids(cls, models: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
-        for repo_id in models:
-            if not _REPO_ID.match(repo_id) or ".." in repo_id:
-                raise ValueError(f"model {repo_id!r} is not a valid repo id (expected 'owner/name')")
-        return models
-
-    @model_validator(mode="after")
-    def _references_exist(self) -> "Manifest":
+    def __post_init__(self) -> None:
+        problems: list[tuple[Key, str]] = []
         for name, node in self.nodes.items():
-            for repo_id in node.models:
-                if repo_id not in self.models:
-                    raise ValueError(f"nodes.{name}.models: {repo_id!r} has no [models.\"{repo_id}\"] table")
+            problems += [(("nodes", name, "models"), f"{repo_id!r} has no [models.\"{repo_id}\"] table")
+                         for repo_id in node.models if repo_id not in self.models]
         if self.engram is not None and self.engram.model not in self.models:
-            raise ValueError(f"engram.model: {self.engram.model!r} has no [models.\"{self.engram.model}\"] table")
-        return self
+            problems.append((("engram", "model"), f"{self.engram.model!r} has no [models.\"{self.engram.model}\"] table"))
+        problems += self._destinations_on_sources()
+        if problems:
+            raise _Invalid(problems)
 
-    @model_validator(mode="after")
-    def _destinations_apart_from_sources(self) -> "Manifest":
+    def _destinations_on_sources(self) -> list[tuple[Key, str]]:
         """The NAS is read-only to this tool: a node hub or engram_dir that is the NAS hub, lies in it
-        or holds it would have the mirror (its lock file, its temp sweep) write on the NAS."""
+        or holds it would have the mirror (its lock file, its temp sweep) write on the NAS. This
+        compares spellings; `refuse_source_overlap` compares identities when a command writes."""
+        problems = []
         for name, node in self.nodes.items():
             sources = [s.removeprefix("file://") for s in (self.nas.hub, node.source)
                        if s and ("://" not in s or s.startswith("file://"))]
             for key in ("hub", "engram_dir"):
                 dest = getattr(node, key)
-                for source in sources:
-                    if dest and _overlap(dest, source):
-                        raise ValueError(f"nodes.{name}.{key}: {dest} overlaps the source hub {source}, "
-                                         "which this tool never writes")
-        return self
+                problems += [(("nodes", name, key), f"{dest} overlaps the source hub {source}, which this tool "
+                              "never writes") for source in sources if dest and _overlap(dest, source)]
+        return problems
 
     def node(self, name: str) -> NodeConfig:
         if name not in self.nodes:
@@ -211,26 +315,8 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
-def _dotted(loc: tuple) -> str:
-    parts = []
-    for item in loc:
-        text = str(item)
-        parts.append(f'"{text}"' if re.search(r"[^A-Za-z0-9_-]", text) else text)
-    return ".".join(parts)
-
-
-def _describe(error: dict) -> str:
-    key = _dotted(tuple(p for p in error["loc"] if not str(p).startswith("function-")))
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        return f"{key}: unknown key"
-    if kind == "missing":
-        return f"{key}: required key is missing"
-    message = error["msg"].removeprefix("Value error, ")
-    got = error.get("input")
-    if kind not in ("value_error", "assertion_error") and not isinstance(got, dict):
-        message = f"{message}, got {got!r}"
-    return f"{key}: {message}" if key else message
+def _dotted(key: Key) -> str:
+    return ".".join(f'"{part}"' if re.search(r"[^A-Za-z0-9_-]", str(part)) else str(part) for part in key)
 
 
 def resolve_manifest_path(explicit: str | os.PathLike | None) -> Path:
@@ -252,24 +338,30 @@ def load_manifest(explicit: str | os.PathLike | None = None) -> Manifest:
         raise BadInput(f"{path}: cannot read manifest: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise BadInput(f"{path}: not valid TOML: {exc}") from None
-    if "path" in raw:
-        raise BadInput(f"{path}: path: unknown key")
+    return read_manifest(raw, str(path))
+
+
+def read_manifest(raw: dict, path: str) -> Manifest:
+    """The manifest in `raw` (parsed TOML), or BadInput listing every problem, each under its key."""
     nul = _nul_keys(raw)
     if nul:
-        raise BadInput(f"{path}: " + "; ".join(f"{key}: a NUL byte cannot be in a path or name" for key in nul))
-    try:
-        return Manifest.model_validate({**raw, "path": str(path)})
-    except ValidationError as exc:
+        raise BadInput(f"{path}: " + "; ".join(f"{_dotted(key)}: a NUL byte cannot be in a path or name"
+                                               for key in nul))
+    problems: list[tuple[Key, str]] = []
+    manifest = _read(_table(Manifest, path=path), raw, (), problems)
+    if problems:
         # Every problem, on one line: fixing them one run at a time wastes an operator's evening.
-        raise BadInput(f"{path}: " + "; ".join(_describe(error) for error in exc.errors())) from None
+        raise BadInput(f"{path}: " + "; ".join(f"{_dotted(key)}: {message}" if key else message
+                                               for key, message in problems))
+    return manifest  # type: ignore[return-value]
 
 
-def _nul_keys(value: object, key: tuple = ()) -> list[str]:
-    """Dotted keys whose key or string value holds a NUL byte (no path or repo id can)."""
+def _nul_keys(value: object, key: Key = ()) -> list[Key]:
+    """Keys whose name or string value holds a NUL byte (no path or repo id can)."""
     if isinstance(value, str):
-        return [_dotted(key)] if "\0" in value else []
+        return [key] if "\0" in value else []
     if isinstance(value, dict):
-        found = [_dotted((*key, k)) for k in value if "\0" in str(k)]
+        found = [(*key, k) for k in value if "\0" in k]
         return found + [f for k, v in value.items() for f in _nul_keys(v, (*key, k))]
     if isinstance(value, list):
         return [f for i, v in enumerate(value) for f in _nul_keys(v, (*key, i))]

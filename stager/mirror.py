@@ -15,7 +15,7 @@ from stager import hints
 from stager.errors import BadInput, CannotRun
 from stager.execute import execute, publish_refs
 from stager.hub import ExcludeError, Problem, RepoSnapshot, require_hub, walk_repo
-from stager.lock import writer_lock
+from stager.lock import HUB_LOCK, writer_lock
 from stager.manifest import Manifest
 from stager.observe import DigestCache, observe
 from stager.plan import Plan, make_plan
@@ -24,7 +24,6 @@ from stager.sources.base import Source
 from stager.units import format_size
 from stager.verify import NAS_FILE_BAD, Subset, VerifyReport, verify_snapshots
 
-LOCK_NAME = ".locks/stager.lock"  # huggingface_hub's scanner skips .locks/
 
 
 @dataclass(frozen=True)
@@ -190,7 +189,7 @@ def _hub_lock(job: NodeJob) -> Iterator[bool]:
         raise  # the CLI names the directory, its owner and the user who needs access
     except OSError as exc:
         raise CannotRun(f"node hub {job.local_hub} cannot be created: {exc.strerror}") from None
-    with writer_lock(job.local_hub / LOCK_NAME, f"local hub {job.local_hub}"):
+    with writer_lock(job.local_hub / HUB_LOCK, f"local hub {job.local_hub}"):
         yield True
 
 

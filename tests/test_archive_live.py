@@ -17,6 +17,7 @@ from reliability_support import bind, build_staging
 from stager.atomic import is_temp_name
 from stager.records import read_sums
 from test_archive import parse_moved, sha256sum_check, write, write_big
+from test_audit_live import holding
 
 STAGE = [sys.executable, "-m", "stager"]
 
@@ -229,3 +230,79 @@ def test_archived_tp2_shards_leave_the_engram_directory_verifiable(tmp_path):
     assert {n: h for n, h in hashes(dest).items() if n.startswith("engram-")} == tp2_sums
     assert read_sums(dest / "SHA256SUMS") == tp2_sums
     sha256sum_check(dest)
+
+
+# ---------------------------------------------------------------- archive beside pack-engram
+
+
+def packed_tp2_and_tp3(tmp_path: Path):
+    staging = build_staging(tmp_path, shards=1, shard_bytes=4096, engram={1: 4_001, 14: 3_001})
+    assert staging.mirror().code == 0
+    for args in (("--world", "2"), ()):
+        packed = staging.stage("pack-engram", "--json", *args)
+        assert packed.code == 0, packed.stderr
+    return staging
+
+
+def test_archive_refuses_while_pack_engram_holds_the_engram_directory(tmp_path):
+    """archive rewrites an engram_dir's SHA256SUMS, as pack-engram does; it held only DEST's lock,
+    so a pack finishing meanwhile could lose its edit. It takes pack-engram's lock too."""
+    staging = packed_tp2_and_tp3(tmp_path)
+    engram = staging.engram_dir
+    data = lambda: {n: h for n, h in hashes(engram).items() if not n.startswith(".locks/")}  # noqa: E731
+    before = data()
+    tp2 = sorted(p for p in engram.iterdir() if p.name.endswith("of2.bin"))
+    dest = tmp_path / "archive"
+    dest.mkdir()
+    lock = engram / ".locks" / "engram.lock"
+    with holding(lock) as holder:
+        refused = run_stage("archive", *tp2, dest)
+    assert refused.code == 3, refused.stdout + refused.stderr
+    line = one_error_line(refused.stderr, lock)
+    assert f"locked by another stage process (pid {holder.pid})" in line
+    assert data() == before
+    assert [p.name for p in dest.iterdir() if p.name != ".stage-archive.lock"] == []
+
+
+def test_archiving_a_whole_engram_directory_leaves_its_lock_in_place(tmp_path):
+    """The lock file is how pack-engram keeps a second writer out; archived and deleted, the next
+    pack-engram and a run still holding the old file would both hold "the" lock."""
+    staging = packed_tp2_and_tp3(tmp_path)
+    engram = staging.engram_dir
+    shards = {n: h for n, h in hashes(engram).items() if n.startswith("engram-")}
+    dest = tmp_path / "archive"
+    dest.mkdir()
+    result = run_stage("archive", engram, dest, "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    assert (engram / ".locks" / "engram.lock").is_file()
+    assert not (dest / engram.name / ".locks").exists()
+    assert {n.split("/", 1)[1]: h for n, h in hashes(dest).items() if "/engram-" in n} == shards
+    sha256sum_check(dest)
+
+
+def test_archive_and_pack_engram_at_once_leave_sha256sums_true(tmp_path):
+    """Real processes: TP2 shards archived while pack-engram rewrites a TP3 shard in the same
+    directory. Each either finishes or refuses (exit 3), and afterwards the directory's SHA256SUMS
+    lists exactly the shards it holds, by their bytes."""
+    staging = packed_tp2_and_tp3(tmp_path)
+    engram = staging.engram_dir
+    for round_ in range(3):
+        if round_:
+            assert staging.stage("pack-engram", "--world", "2").code == 0
+        tp2 = sorted(str(p) for p in engram.iterdir() if p.name.endswith("of2.bin"))
+        assert tp2
+        next(engram.glob("engram-l1-r0of3.bin")).unlink()  # pack-engram has a shard to write again
+        dest = tmp_path / f"archive-{round_}"
+        dest.mkdir()
+        env = {**os.environ, "STAGE_MANIFEST": str(staging.manifest)}
+        runs = [subprocess.Popen([*STAGE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                for args in (["pack-engram", "--node", "dgx1"], ["archive", *tp2, str(dest)])]
+        for run in runs:
+            out, err = run.communicate(timeout=120)
+            assert run.returncode in (0, 3), out + err
+            assert run.returncode == 0 or "locked by another stage process" in err, err
+        if runs[0].returncode == 3:
+            assert staging.stage("pack-engram").code == 0
+        sha256sum_check(engram)
+        listed = set(read_sums(engram / "SHA256SUMS"))
+        assert listed == {p.name for p in engram.iterdir() if p.name.endswith(".bin")}

@@ -49,12 +49,13 @@ def test_world_as_a_string_exits_2(tmp_path):
 
 @pytest.mark.parametrize("reserve, expected", [("1048576", 1048576), ('"20GiB"', 20 * 1024**3), ('"500MB"', 500 * 1000**2)])
 def test_a_bare_integer_is_bytes_and_units_mean_what_df_means(reserve, expected):
-    from stager.manifest import NodeConfig
+    from stager.manifest import read_manifest
     import tomllib
 
-    node = NodeConfig.model_validate(tomllib.loads(f'hub = "/nvme"\nreserve = {reserve}\n'))
-    assert node.reserve == expected
-    assert NodeConfig.model_validate({"hub": "/nvme"}).reserve == 0  # the documented default
+    manifest = read_manifest(tomllib.loads(f'nas.hub = "/nas"\n[nodes.a]\nhub = "/nvme"\nreserve = {reserve}\n'
+                                           '[nodes.b]\nhub = "/nvme"\n'), "cluster.toml")
+    assert manifest.nodes["a"].reserve == expected
+    assert manifest.nodes["b"].reserve == 0  # the documented default
 
 
 def test_a_model_listed_twice_for_a_node_exits_2(tmp_path):

@@ -22,7 +22,7 @@ from stager.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN, StageError
 
 _HELP_NAMES = ["-h", "--help"]
 
-app = typer.Typer(
+_APP_SETTINGS = dict(
     name="stage",
     help="Stage model weights and Engram row shards onto node-local NVMe, verified.",
     no_args_is_help=True,
@@ -31,6 +31,7 @@ app = typer.Typer(
     rich_markup_mode=None,  # help texts show "[default: ...]" literally
     context_settings={"help_option_names": _HELP_NAMES},  # inherited by every subcommand
 )
+app = typer.Typer(**_APP_SETTINGS)
 
 
 def _remember_manifest(value: Optional[str]) -> Optional[str]:
@@ -113,7 +114,7 @@ def main() -> None:
 def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
     """(exit code, the one line for stderr, the error for a --json object) of running the command."""
     try:
-        command = typer.main.get_command(app)
+        command = typer.main.get_command(_app_for(argv))
         _word_placeholders(command)
         _plain_conversions(command)
         result = command.main(args=argv, prog_name="stage", standalone_mode=False)
@@ -146,6 +147,23 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             raise
         message = f"internal error: {type(exc).__name__}: {exc} (set STAGE_DEBUG=1 for the traceback)"
         return EXIT_CANNOT_RUN, message, message
+
+
+def _app_for(argv: list[str]) -> typer.Typer:
+    """The app, narrowed to the one command that argv names.
+
+    typer builds every command's click parameters from its signature (resolving the annotations
+    of all of them) before it looks at argv: a third of a warm no-op `stage verify`. A command
+    named first needs only itself; its usage line, help and errors are the same as in the full
+    app. Anything else (no command, an option first, a group such as `fleet`) gets the full app."""
+    named = {info.name or typer.main.get_command_name(info.callback.__name__): info
+             for info in app.registered_commands}
+    if not argv or argv[0] not in named:
+        return app
+    narrow = typer.Typer(**_APP_SETTINGS)
+    narrow.registered_callback = app.registered_callback
+    narrow.registered_commands = [named[argv[0]]]
+    return narrow
 
 
 def _wants_json(argv: list[str]) -> bool:

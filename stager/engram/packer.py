@@ -33,14 +33,13 @@ from stager.engram.receipts import read_receipt, write_receipt
 from stager.engram.row_stream import iter_rows
 from stager.engram.shard_format import HEADER_BYTES, ROW_BYTES, ShardSpec
 from stager.errors import CannotRun
-from stager.lock import writer_lock
+from stager.lock import ENGRAM_LOCK, writer_lock
 from stager.manifest import Manifest
 from stager.mirror import free_bytes
 from stager.records import SUMS_NAME, read_sums, update_sums
 from stager.sources.local import reopen_direct
 from stager.units import format_size
 
-LOCK_NAME = ".locks/engram.lock"
 WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every 32 MiB
 DIRECT_BLOCK = 4096  # O_DIRECT writes: whole blocks of this size, from page-aligned memory, at aligned offsets
 
@@ -86,7 +85,7 @@ def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, 
     engram_dir = Path(node.engram_dir)
     report = PackReport(node_name, checkpoint.origin)
     ensure_dir(engram_dir)
-    with writer_lock(engram_dir / LOCK_NAME, f"engram directory {engram_dir}"):
+    with writer_lock(engram_dir / ENGRAM_LOCK, f"engram directory {engram_dir}"):
         sweep_temps(engram_dir)  # a killed pack leaves a hidden temp as large as the shard
         sums = read_sums(engram_dir / SUMS_NAME)
         plan, restored = _plan(specs, checkpoint, sums, secrets.randbits(32))
