@@ -300,9 +300,48 @@ def add_engram_checkpoint(target: "Snapshot | Hub", repo_id: str | None = None, 
     return EngramCheckpoint(snap, file, counts, prefix, sha)
 
 
-def build_demo(root: Path, *, scale: int = 1) -> Path:
+def demo_manifest(root: Path, nas: Path, engram_node: str) -> str:
+    """The demo's manifest: dgx1 stages the models into root/nvme. `engram_node` packs the Engram
+    shards too: "dgx1" itself (what most tests use), or "dgx2", a node of its own under
+    root/nvme-dgx2 (what scripts/make_demo_nas.py gives a newcomer: dgx1 then verifies clean
+    right after its mirror, with nothing to pack)."""
+    engram = f"""engram_dir = "{root}/nvme/engram"
+rank = 0
+""" if engram_node == "dgx1" else ""
+    dgx2 = f"""
+[nodes.dgx2]
+hub = "{root}/nvme-dgx2/hf/hub"
+reserve = "64MiB"
+models = ["acme/Flash-3bpw"]
+engram_dir = "{root}/nvme-dgx2/engram"
+rank = 0
+""" if engram_node == "dgx2" else ""
+    return f"""# Demo cluster: a NAS hub under {root}/nas, and node hubs under {root}/nvme*.
+[nas]
+hub = "{nas}"
+aliases = {{ "/volume1/hf/hub" = "{nas}" }}  # the NAS wrote some links as /volume1/...
+
+[models."acme/Flash-3bpw"]
+revision = "main"
+exclude = ["page15/**"]      # stays on the NAS; `stage binds` mounts it from there
+
+[models."acme/Flash-drafter"]
+revision = "main"
+
+[nodes.dgx1]
+hub = "{root}/nvme/hf/hub"
+reserve = "64MiB"
+models = ["acme/Flash-3bpw", "acme/Flash-drafter"]
+{engram}{dgx2}
+[engram]
+model = "acme/Flash-3bpw"
+world = 3
+"""
+
+
+def build_demo(root: Path, *, scale: int = 1, engram_node: str = "dgx1") -> Path:
     """A demo NAS under root/nas/hf/hub with the traps a real one has, a node hub under
-    root/nvme, and root/cluster.toml pointing at both. Returns the manifest path."""
+    root/nvme, and root/cluster.toml pointing at both (see demo_manifest). Returns the manifest path."""
     root = Path(root).resolve()
     nas = root / "nas" / "hf" / "hub"
     hub = Hub(nas)
@@ -324,27 +363,5 @@ def build_demo(root: Path, *, scale: int = 1) -> Path:
     drafter.add_lfs("model.safetensors", random_safetensors(99, scale * 2 * 1024 * 1024), shared=True)
     drafter.finish()
     manifest = root / "cluster.toml"
-    manifest.write_text(f"""# Demo cluster: a NAS hub under {root}/nas and one node hub under {root}/nvme.
-[nas]
-hub = "{nas}"
-aliases = {{ "/volume1/hf/hub" = "{nas}" }}
-
-[models."acme/Flash-3bpw"]
-revision = "main"
-exclude = ["page15/**"]
-
-[models."acme/Flash-drafter"]
-revision = "main"
-
-[nodes.dgx1]
-hub = "{root}/nvme/hf/hub"
-reserve = "64MiB"
-models = ["acme/Flash-3bpw", "acme/Flash-drafter"]
-engram_dir = "{root}/nvme/engram"
-rank = 0
-
-[engram]
-model = "acme/Flash-3bpw"
-world = 3
-""")
+    manifest.write_text(demo_manifest(root, nas, engram_node))
     return manifest

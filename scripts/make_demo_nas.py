@@ -22,46 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hubgen import build_demo  # noqa: E402
 
-MANIFEST = """\
-# Demo cluster: a NAS hub under {root}/nas, and two nodes whose local disks are
-# {root}/nvme (dgx1) and {root}/nvme-dgx2 (dgx2).
-[nas]
-hub = "{nas}"
-aliases = {{ "/volume1/hf/hub" = "{nas}" }}  # the NAS wrote some links as /volume1/...
-
-[models."acme/Flash-3bpw"]
-revision = "main"
-exclude = ["page15/**"]      # stays on the NAS; `stage binds` mounts it from there
-
-[models."acme/Flash-drafter"]
-revision = "main"
-
-[nodes.dgx1]
-hub = "{root}/nvme/hf/hub"
-reserve = "64MiB"
-models = ["acme/Flash-3bpw", "acme/Flash-drafter"]
-
-[nodes.dgx2]
-hub = "{root}/nvme-dgx2/hf/hub"
-reserve = "64MiB"
-models = ["acme/Flash-3bpw"]
-engram_dir = "{root}/nvme-dgx2/engram"
-rank = 0
-
-[engram]
-model = "acme/Flash-3bpw"
-world = 3
-"""
-
 
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "demo")
     if root.exists():
         shutil.rmtree(root)
-    manifest = build_demo(root)  # the NAS, and a manifest that this demo replaces with its own
-    root = manifest.parent
-    manifest.write_text(MANIFEST.format(root=root, nas=root / "nas" / "hf" / "hub"))
-    print(manifest)
+    print(build_demo(root, engram_node="dgx2"))
 
 
 if __name__ == "__main__":

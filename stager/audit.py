@@ -37,7 +37,7 @@ from pathlib import Path
 
 from stager import __version__
 from stager.atomic import atomic_write_bytes, is_temp_name
-from stager.errors import StageError
+from stager.errors import StageError, describe_os_error
 from stager.fingerprint import Verdict
 from stager.hub import MAX_HOPS, Problem, repo_dir_name
 from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, HUB_LOCK
@@ -619,8 +619,10 @@ def run_audit(manifest_path: str | None, node: str, prom: str | None = None) -> 
             # planted at the textfile's name (or at its temp's) is replaced or refused, never followed.
             atomic_write_bytes(Path(prom), text.encode("utf-8", "backslashreplace"))
             report.prom = str(prom)
-        except (OSError, StageError) as exc:
-            report.unknown.append(f"cannot write {prom}: {getattr(exc, 'message', None) or exc.strerror or exc}")
+        except StageError as exc:
+            report.unknown.append(f"cannot write {prom}: {exc.message}")
+        except OSError as exc:  # the textfile directory's owner and mode, and the user that needs access
+            report.unknown.append(f"cannot write {prom}: {describe_os_error(exc)}")
     return report
 
 

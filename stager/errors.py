@@ -8,6 +8,9 @@ cases where the command itself cannot go on.
 
 from __future__ import annotations
 
+import errno
+import os
+
 EXIT_OK = 0
 EXIT_PROBLEMS = 1  # ran to the end, found problems (named in the report)
 EXIT_BAD_INPUT = 2  # bad manifest, bad arguments, malformed input files
@@ -34,3 +37,49 @@ class CannotRun(StageError):
     """The environment prevents the command from running: space, lock, unreachable NAS."""
 
     exit_code = EXIT_CANNOT_RUN
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an OSError nobody mapped: what failed, on which path, and who needs access."""
+    path = exc.filename if exc.filename is not None else exc.filename2
+    if exc.errno == errno.EROFS:
+        return f"read-only file system: {path}: remount it read-write, or stage onto another filesystem"
+    if exc.errno in (errno.EACCES, errno.EPERM) and path is not None:
+        path = os.fspath(path)
+        # Creating a file fails on the file's name; the directory is what needs the access.
+        target, need = (path, "access to") if os.path.lexists(path) else (os.path.dirname(path) or ".", "write access to")
+        return (f"permission denied: {target}{_ownership(target)}: stage runs as user {_user()}, "
+                f"which needs {need} it; run stage as a user who has it, or grant {_user()} access")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied: stage runs as user {_user()}"
+    reason = exc.strerror or str(exc)
+    return f"{reason}: {path}" if path is not None else reason
+
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
+def _ownership(path: str) -> str:
+    import grp
+    import pwd
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ""
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f" (owner {owner}:{group}, mode {stat.filemode(st.st_mode)})"

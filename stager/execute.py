@@ -12,7 +12,6 @@ import errno
 import os
 import posixpath
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -26,6 +25,7 @@ from stager.hub import SHARED_STORE, Problem
 from stager.observe import DigestCache
 from stager.plan import CopyFile, MakeLink, Plan, kept_hops
 from stager.verify import NAS_FILE_BAD, check_local_chain
+from stager.workers import worker_pool
 
 
 # Below this size a file's fsync (a journal commit, ~3 ms here) costs more than its bytes: such
@@ -90,19 +90,16 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
         if small and len(batch) >= BATCH_FILES:
             batch.commit()  # outside the per-file handler: a failed sync fails the run, not one file
 
-    with ThreadPoolExecutor(max(1, jobs), thread_name_prefix="stage-copy") as pool:
-        futures = [pool.submit(copy_one, copy) for copy in plan.copies]
-        try:
-            for future in futures:
+    try:
+        # Disk full or interrupted: the pool stops the queued copies instead of failing each in
+        # turn, and waits for the running ones before their temp files are discarded.
+        with worker_pool(jobs, "stage-copy") as pool:
+            for future in [pool.submit(copy_one, copy) for copy in plan.copies]:
                 future.result()
-            batch.commit()
-        except BaseException:
-            # Disk full or interrupted: stop queued copies now instead of failing each in turn.
-            for future in futures:
-                future.cancel()
-            pool.shutdown(wait=True)
-            batch.discard()
-            raise
+        batch.commit()
+    except BaseException:
+        batch.discard()
+        raise
     # The copies renamed without a directory fsync each; one per directory makes them durable
     # before any link or ref can point at them.
     _fsync_dirs(local_hub, (c.dest for c in plan.copies if c.dest not in tally.failed))

@@ -85,27 +85,24 @@ def _one_of(*choices: str) -> Callable[[object], str]:
 
 
 def _list_of(item: Callable) -> Callable[[object], list]:
-    def read(value: object) -> list:
-        if not isinstance(value, list):
-            raise ValueError(f"expected a list, got {value!r}")
-        problems: list[tuple[Key, str]] = []
-        items = [_read(item, v, (i,), problems) for i, v in enumerate(value)]
-        if problems:
-            raise _Invalid(problems)
-        return items
-    return read
+    return _each(list, item)
 
 
 def _table_of(item: Callable) -> Callable[[object], dict]:
     """A TOML table whose keys are names the operator chooses (repo ids, node names, aliases)."""
-    def read(value: object) -> dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"expected a table, got {value!r}")
+    return _each(dict, item)
+
+
+def _each(kind: type, item: Callable) -> Callable[[object], object]:
+    """A list (keyed by position) or a table of values that `item` reads, every item's problem kept."""
+    def read(value: object) -> object:
+        if not isinstance(value, kind):
+            raise ValueError(f"expected a {'list' if kind is list else 'table'}, got {value!r}")
         problems: list[tuple[Key, str]] = []
-        items = {k: _read(item, v, (k,), problems) for k, v in value.items()}
+        items = {k: _read(item, v, (k,), problems) for k, v in (enumerate(value) if kind is list else value.items())}
         if problems:
             raise _Invalid(problems)
-        return items
+        return list(items.values()) if kind is list else items
     return read
 
 

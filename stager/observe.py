@@ -12,7 +12,6 @@ import functools
 import os
 import stat as stat_module
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,6 +22,7 @@ from stager.hub import SHARED_MARKER, RepoSnapshot, is_shared_payload
 from stager.plan import LocalState, final_files, kept_hops, wanted_links
 from stager.sources.base import Source
 from stager.sources.local import LocalReader
+from stager.workers import worker_pool
 
 META_LIMIT = 64 * 1024 * 1024
 
@@ -137,7 +137,7 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
             progress(entry.size)  # nothing to hash here: the bar still ends at its total
         return dest, state
 
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
+    with worker_pool(jobs, "stage-observe") as pool:
         local.update(pool.map(look_at_final, sorted(finals)))
     for dest in wanted_links(snapshots):
         local[dest] = _lstat(local_hub / dest)

@@ -149,17 +149,17 @@ def moved_block(*, destination: str, sums: str, host: str, time: str, files: lis
 
     `files` holds (sha256, bytes, name relative to the MOVED.txt, "copied" | "adopted").
     The name comes last and uses the SHA256SUMS escaping, so every file line parses as
-    `<sha256>  <bytes>  <copied|adopted>  <name>` whatever the name holds.
+    `<sha256>  <bytes>  <copied|adopted>  <name>` whatever the name holds, and every header line
+    as `<key>: <value>` with the same escaping.
     """
     total = sum(size for _, size, _, _ in files)
-    lines = [
-        f"destination: {destination}",
-        f"sums: {sums}",
-        f"time: {time}",
-        f"host: {host}",
-        f"bytes: {total}",
-        f"files: {len(files)}",
-    ]
+    header = {"destination": destination, "sums": sums, "time": time, "host": host, "bytes": str(total),
+              "files": str(len(files))}
+    lines = []
+    for key, value in header.items():
+        # Paths may hold a newline too: escaped the same way, the '\\' before the key saying so.
+        prefix, written = _escape(value)
+        lines.append(f"{prefix}{key}: {written}")
     for sha256, size, name, how in files:
         prefix, written = _escape(name)
         lines.append(f"{prefix}{sha256}  {size}  {how}  {written}")

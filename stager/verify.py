@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,6 +21,7 @@ from stager.fingerprint import Verdict, judge, reference_for
 from stager.hub import Entry, Problem, RepoSnapshot
 from stager.observe import DigestCache, expected_digest, local_digest
 from stager.plan import kept_hops
+from stager.workers import worker_pool
 
 
 # How a problem says the NAS's own copy is wrong (shared with the mirror): no mirror can repair it.
@@ -177,7 +177,7 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
         return item, outcome
 
     report.content_checked += len(work)
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
+    with worker_pool(jobs, "stage-verify") as pool:
         for (entry, _snap, _final), (problem, reread) in pool.map(content, work):
             if problem is not None:
                 report.problems.append(problem)

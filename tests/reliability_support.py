@@ -303,26 +303,25 @@ def fs_listing(*roots: Path, skip: tuple[Path, ...] = ()) -> dict[str, tuple]:
 # ---------------------------------------------------------------- real faults
 
 @contextlib.contextmanager
-def tmpfs(mountpoint: Path, size: int) -> Iterator[Path]:
-    """A real tmpfs of `size` bytes; unmounted on the way out whatever happened."""
+def _mounted(mount_args: list[str], mountpoint: Path) -> Iterator[Path]:
+    """`mount *mount_args mountpoint`; unmounted on the way out whatever happened."""
     mountpoint.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)], check=True)
+    subprocess.run(["mount", *mount_args, str(mountpoint)], check=True)
     try:
         yield mountpoint
     finally:
         _umount(mountpoint)
 
 
-@contextlib.contextmanager
-def bind(source: Path, mountpoint: Path) -> Iterator[Path]:
-    """`source` mounted again at `mountpoint` with `mount --bind`; unmounted whatever happens."""
+def tmpfs(mountpoint: Path, size: int) -> contextlib.AbstractContextManager[Path]:
+    """A real tmpfs of `size` bytes."""
+    return _mounted(["-t", "tmpfs", "-o", f"size={size}", "tmpfs"], mountpoint)
+
+
+def bind(source: Path, mountpoint: Path) -> contextlib.AbstractContextManager[Path]:
+    """`source` mounted again at `mountpoint` with `mount --bind`."""
     needs_root()
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "--bind", str(source), str(mountpoint)], check=True)
-    try:
-        yield mountpoint
-    finally:
-        _umount(mountpoint)
+    return _mounted(["--bind", str(source)], mountpoint)
 
 
 @contextlib.contextmanager

@@ -51,7 +51,8 @@ def temps_under(root: Path) -> list[str]:
 
 
 def parse_moved(text: str) -> list[dict]:
-    """Blocks of a MOVED.txt: header keys, then `<sha256>  <bytes>  <how>  <name>` lines."""
+    """Blocks of a MOVED.txt: `<key>: <value>` header lines, then `<sha256>  <bytes>  <how>  <name>`
+    lines; a line that starts with a backslash has its value or name escaped as in SHA256SUMS."""
     blocks = []
     for chunk in text.split("\n\n"):
         lines = [line for line in chunk.splitlines() if line and not line.startswith("#")]
@@ -59,12 +60,20 @@ def parse_moved(text: str) -> list[dict]:
             continue
         block = {"entries": {}}
         for line in lines:
+            escaped = line.startswith("\\")
+            line = line[1:] if escaped else line
+
+            def plain(value: str) -> str:
+                if not escaped:
+                    return value
+                return re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r"}.get(m.group(1), m.group(1)), value)
+
             if re.match(r"^[0-9a-f]{64}  ", line):
                 sha, size, how, name = line.split("  ", 3)
-                block["entries"][name] = (sha, int(size), how)
+                block["entries"][plain(name)] = (sha, int(size), how)
             else:
                 key, value = line.split(": ", 1)
-                block[key] = value
+                block[key] = plain(value)
         blocks.append(block)
     return blocks
 
@@ -452,6 +461,9 @@ def test_every_printed_line_is_one_line(tmp_path):
     assert [line.split()[0] for line in lines] == ["archive:", "note:", "symlink"], lines
     assert all("\\n" in line for line in lines)
     assert sha256_file(dest / "old\nshards" / "a\nb.bin") == expected
+    [block] = parse_moved((src / "MOVED.txt").read_text())  # a newline in DEST's path stays in its value
+    assert (block["destination"], block["sums"], block["files"]) == (str(dest / "old\nshards"),
+                                                                     str(dest / "SHA256SUMS"), "1")
     refused = run_stage("archive", dest, dest)
     assert refused.code == 2 and len((refused.stdout + refused.stderr).strip().splitlines()) == 1
 

@@ -6,6 +6,7 @@ with a stand-in `docker` that records its arguments.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -298,15 +299,63 @@ def test_signal_during_mirror_cleans_up_and_releases_the_lock(big_nas, tmp_path,
     assert temp_files(tmp_path) == []
 
 
+def bytes_read(pid: int) -> int | None:
+    try:
+        return int(re.search(r"^rchar: (\d+)$", Path(f"/proc/{pid}/io").read_text(), flags=re.M).group(1))
+    except (FileNotFoundError, ProcessLookupError, AttributeError):
+        return None
+
+
+def open_files(pid: int) -> list[str]:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return []
+    paths = []
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return paths
+
+
+def bytes_read(pid: int) -> int | None:
+    """What the process has read so far (`rchar`: every read(2), page cache or not)."""
+    try:
+        return int(re.search(r"^rchar: (\d+)$", Path(f"/proc/{pid}/io").read_text(), flags=re.M).group(1))
+    except (OSError, AttributeError):
+        return None
+
+
 @SIGNALS
-def test_signal_during_verify_ends_promptly(big_nas, tmp_path, sig):
+def test_signal_during_verify_stops_the_queued_hashing(big_nas, tmp_path, sig):
+    """Signalled while a 48 MiB weight is hashed with more than 160 MiB still queued behind it,
+    `verify --full -j 1` reads at most the rest of that file before it exits (stager/workers.py)."""
     manifest = big_manifest(big_nas, tmp_path)
-    hub = tmp_path / "nvme" / "hf" / "hub"
+    blobs = tmp_path / "nvme" / "hf" / "hub" / "models--acme--Big" / "blobs"
     assert stage("mirror", "--node", "dgx1", "--manifest", manifest).returncode == 0
-    code, err, seconds = signal_when(["verify", "--node", "dgx1", "--full", "-j", "1", "--manifest", manifest],
-                                     reading_under(hub), sig)
-    assert_ended_by(sig, code, err)
-    assert seconds < 30
+    queued_after = sum(p.stat().st_size for p in blobs.iterdir()) - 160 * MiB
+    at_signal: list[int] = []
+
+    def hashing_a_weight_early(pid: int) -> bool:
+        weight = [p for p in open_files(pid) if p.startswith(f"{blobs}/") and os.path.getsize(p) < 64 * MiB]
+        done = bytes_read(pid)
+        if weight and done is not None and done < queued_after:
+            at_signal.append(done)
+        return bool(at_signal)
+
+    proc = subprocess.Popen([*STAGE, "verify", "--node", "dgx1", "--full", "-j", "1", "--manifest", str(manifest)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env())
+    while not hashing_a_weight_early(proc.pid):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.001)
+    proc.send_signal(sig)
+    last = at_signal[0]
+    while proc.poll() is None:
+        last = bytes_read(proc.pid) or last
+        time.sleep(0.001)
+    _, err = proc.communicate()
+    assert_ended_by(sig, proc.returncode, err.decode())
+    assert last - at_signal[0] < 56 * MiB, f"{(last - at_signal[0]) / MiB:.0f} MiB read after the signal"
 
 
 @SIGNALS
@@ -404,6 +453,14 @@ def test_permission_problems_name_the_path_and_the_user(shared_demo):
     # --json: the same error as one object.
     result = as_nobody("mirror", "--node", "dgx1", "--json", "--manifest", manifest, cwd=where)
     assert json.loads(result.stdout)["exit_code"] == 3 and "permission denied" in json.loads(result.stdout)["error"]
+    # The audit's textfile directory is root's: STAGE UNKNOWN (3), naming it, its owner and the user.
+    textfile = where / "textfile"
+    textfile.mkdir(mode=0o755)
+    result = as_nobody("audit", "--node", "dgx1", "--prom", textfile / "stage.prom", "--manifest", manifest, cwd=where)
+    assert result.returncode == 3, result.stdout + result.stderr
+    [status] = result.stdout.splitlines()
+    assert status.startswith("STAGE UNKNOWN: ") and f"permission denied: {textfile} (owner root:root" in status, status
+    assert "stage runs as user nobody" in status and not list(textfile.iterdir())
 
 
 def test_a_read_only_mount_is_named(shared_demo):

@@ -9,7 +9,6 @@ included. `main()` enforces all of it, so the commands only parse, call the core
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sys
@@ -18,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from stager import hints
-from stager.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN, StageError
+from stager.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN, StageError, describe_os_error
 
 _HELP_NAMES = ["-h", "--help"]
 
@@ -179,52 +178,6 @@ def _stdout_closed_under_typer() -> bool:
     """typer answers a BrokenPipeError it sees with sys.exit(1) ("problems found") after wrapping
     stdout in click's PacifyFlushWrapper; that wrapper is how the closed pipe is recognised."""
     return type(sys.stdout).__name__ == "PacifyFlushWrapper"
-
-
-def describe_os_error(exc: OSError) -> str:
-    """One line for an OSError nobody mapped: what failed, on which path, and who needs access."""
-    path = exc.filename if exc.filename is not None else exc.filename2
-    if exc.errno == errno.EROFS:
-        return f"read-only file system: {path}: remount it read-write, or stage onto another filesystem"
-    if exc.errno in (errno.EACCES, errno.EPERM) and path is not None:
-        path = os.fspath(path)
-        # Creating a file fails on the file's name; the directory is what needs the access.
-        target, need = (path, "access to") if os.path.lexists(path) else (os.path.dirname(path) or ".", "write access to")
-        return (f"permission denied: {target}{_ownership(target)}: stage runs as user {_user()}, "
-                f"which needs {need} it; run stage as a user who has it, or grant {_user()} access")
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return f"permission denied: stage runs as user {_user()}"
-    reason = exc.strerror or str(exc)
-    return f"{reason}: {path}" if path is not None else reason
-
-
-def _user() -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        return f"uid {os.geteuid()}"
-
-
-def _ownership(path: str) -> str:
-    import grp
-    import pwd
-    import stat
-
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return ""
-    try:
-        owner = pwd.getpwuid(st.st_uid).pw_name
-    except KeyError:
-        owner = str(st.st_uid)
-    try:
-        group = grp.getgrgid(st.st_gid).gr_name
-    except KeyError:
-        group = str(st.st_gid)
-    return f" (owner {owner}:{group}, mode {stat.filemode(st.st_mode)})"
 
 
 # Typer names a value after its Python type ("<str>", "<list[int]>", "<int range>"); operators

@@ -20,7 +20,7 @@ import numpy as np
 
 from stager import hints
 from stager.engram.checkpoint import Checkpoint, open_checkpoint
-from stager.engram.node_shards import shard_specs
+from stager.engram.node_shards import node_ranks, shard_specs
 from stager.engram.receipts import RECEIPT_KEYS, read_receipt, receipt_for
 from stager.engram.row_stream import iter_rows, read_exact, read_row
 from stager.engram.shard_format import HEADER_BYTES, ROW_BYTES, ShardSpec, describe_header, parse_shard_name
@@ -130,6 +130,9 @@ def verify_engram(manifest: Manifest, node_name: str, *, full: bool, seed: int |
     seed = secrets.randbits(32) if seed is None else seed
     report = VerifyReport("full" if full else "sampled", None if full else seed)
     engram_dir = Path(manifest.node(node_name).engram_dir or "")
+    # A rank the node cannot serve is a mistake in the manifest, not a problem found on the disk:
+    # exit 2 naming the key, as pack-engram says it.
+    node_ranks(manifest, node_name, manifest.engram.world)
     try:
         checkpoint = open_checkpoint(manifest, node_name, from_nas=False)
         specs = shard_specs(manifest, node_name, checkpoint)
