@@ -28,7 +28,6 @@ in the status text, which Nagios would take for the start of the perfdata, is sh
 
 from __future__ import annotations
 
-import fcntl
 import os
 import stat
 import time
@@ -40,7 +39,7 @@ from stager.atomic import atomic_write_bytes, is_temp_name
 from stager.errors import StageError, describe_os_error
 from stager.fingerprint import Verdict
 from stager.hub import MAX_HOPS, Problem, repo_dir_name
-from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, HUB_LOCK
+from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, HUB_LOCK, PROC_LOCKS, LockTable
 from stager.manifest import Manifest, load_manifest
 from stager.mirror import node_job, walk
 from stager.plan import LocalState, final_files, make_plan
@@ -54,7 +53,6 @@ STALE_SECONDS = 3600
 TOP_RECLAIMABLE = 10
 ORPHAN_KINDS = ("blob", "shared-blob", "shard", "temp")
 REPO_KINDS = ("models", "datasets", "spaces")
-PROC_LOCKS = "/proc/locks"
 
 
 def shown(text: str) -> str:
@@ -420,75 +418,6 @@ def shard_orphans(engram_dir: Path, manifest: Manifest, specs: list) -> list[Orp
 
 
 # ---------------------------------------------------------------- live writers
-
-
-@dataclass(frozen=True)
-class LockTable:
-    """Who holds a flock(2), from the kernel's table /proc/locks: (major, minor, inode) -> pid.
-
-    Reading the table takes no lock. Testing a writer's lock by taking it, even for an instant,
-    would make a mirror that starts in that instant refuse with exit 3 ("locked"). Lines look like
-    `1: FLOCK  ADVISORY  WRITE 4242 fe:00:2163045 0 EOF` (device numbers in hex); a waiter's line
-    has `->` before FLOCK and holds nothing.
-
-    The table is trusted only after it shows a lock of our own: a flock on an anonymous memfd
-    (no file is touched) must appear in it, or `readable` is False, as where there is no /proc.
-    An emulated /proc (gVisor, some sandboxes) can list no locks at all, which would otherwise
-    read as "no writer anywhere". The table lists only holders in the reader's pid namespace, so
-    the audit must run where the writers run (on the host, not in a container of its own)."""
-
-    readable: bool
-    holders: dict[tuple[int, int, int], int]
-
-    @classmethod
-    def read(cls, path: str | None = None) -> "LockTable":
-        try:
-            probe = os.memfd_create("stage-audit-probe", os.MFD_CLOEXEC)
-        except (AttributeError, OSError):
-            return cls(False, {})
-        try:
-            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh anonymous file: nobody else can hold it
-            mine = os.fstat(probe)
-            with open(path or PROC_LOCKS, encoding="ascii", errors="replace") as table:
-                text = table.read()
-        except OSError:
-            return cls(False, {})
-        finally:
-            os.close(probe)
-        holders = {}
-        for line in text.splitlines():
-            fields = line.split()
-            if len(fields) < 6 or fields[1] != "FLOCK":
-                continue
-            try:
-                major, minor, inode = fields[5].split(":")
-                holders[(int(major, 16), int(minor, 16), int(inode))] = int(fields[4])
-            except ValueError:
-                continue
-        if holders.pop((os.major(mine.st_dev), os.minor(mine.st_dev), mine.st_ino), None) is None:
-            return cls(False, {})
-        return cls(True, holders)
-
-    def state(self, lock: Path) -> tuple[str, int | None]:
-        """("held", pid), ("free", None), or ("unsure", None) when the table cannot tell."""
-        if not self.readable:
-            return "unsure", None
-        try:
-            st = os.lstat(lock)
-        except (FileNotFoundError, NotADirectoryError):
-            return "free", None  # never created: no writer has run there
-        except OSError:
-            return "unsure", None
-        if not stat.S_ISREG(st.st_mode):
-            return "free", None  # lock.writer_lock refuses a lock file that is not a regular file
-        pid = self.holders.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
-        if pid is not None:
-            return "held", pid
-        # Same inode, other device: btrfs subvolumes and overlayfs report a device in stat() that
-        # differs from the one in the lock table. It is probably our lock, so the writer may be live.
-        if any(inode == st.st_ino for _major, _minor, inode in self.holders):
-            return "unsure", None
-        return "free", None
 
 
 def guarding_locks(path: str, hub: str, engram_dir: str | None) -> list[Path]:

@@ -15,7 +15,7 @@ from stager import hints
 from stager.errors import BadInput, CannotRun
 from stager.execute import execute, publish_refs
 from stager.hub import ExcludeError, Problem, RepoSnapshot, require_hub, walk_repo
-from stager.lock import HUB_LOCK, writer_lock
+from stager.lock import HUB_LOCK, LockTable, writer_lock
 from stager.manifest import Manifest
 from stager.observe import DigestCache, observe
 from stager.plan import Plan, make_plan
@@ -221,6 +221,7 @@ def _summarize(report: MirrorReport, plan: Plan, started: float) -> MirrorReport
 def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source | None = None,
            progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> VerifyReport:
     reference = reference or reference_source(job)
+    writers = _writer_at_work(job.local_hub)  # before the walk: a mirror that ends during it still shows
     snapshots = walk(job, reference)
     cache = DigestCache(reference, job.seed)
     report = verify_snapshots(reference, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs,
@@ -229,7 +230,19 @@ def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source
     report.against = reference.url
     if any(_mirror_repairs(p, job.local_hub) for p in report.problems):
         report.repairs.append(hints.command("mirror", "--node", job.node, *(["--full"] if full else [])))
+    report.notes.extend(writers)
     return report
+
+
+def _writer_at_work(local_hub: Path) -> list[str]:
+    """A note when another process holds the hub's writer lock: a verify run beside a mirror
+    (a launcher's gate while cron mirrors a moved ref) sees that mirror's work half done. The lock
+    is read from the kernel's table, never taken: taking it would make the mirror refuse."""
+    state, pid = LockTable.read().state(local_hub / HUB_LOCK)
+    if state != "held" or pid == os.getpid():
+        return []
+    return [f"a stage mirror (pid {pid}) is writing {local_hub} now: what it has not finished shows as "
+            "problems; verify again once it ends"]
 
 
 def _mirror_repairs(problem: Problem, local_hub: Path) -> bool:

@@ -67,6 +67,7 @@ class VerifyReport:
     repairs: list[str] = field(default_factory=list)  # the exact commands that fix the problems found
     subset: str | None = None
     against: str | None = None  # the source the content was compared with: the NAS, or a peer
+    notes: list[str] = field(default_factory=list)  # what the operator should know to read the result
 
     def count(self, kind: str) -> int:
         return sum(1 for p in self.problems if p.kind == kind)
@@ -80,6 +81,7 @@ class VerifyReport:
         self.excluded.extend(other.excluded)
         self.reread.extend(other.reread)
         self.repairs.extend(r for r in other.repairs if r not in self.repairs)
+        self.notes.extend(other.notes)
 
     def to_json(self) -> dict:
         return {
@@ -100,6 +102,7 @@ class VerifyReport:
             "matched_on_reread": self.reread,
             "repair": self.repairs,
             "verified_against": self.against,
+            "notes": self.notes,
         }
 
 

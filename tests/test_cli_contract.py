@@ -616,3 +616,29 @@ def test_warm_no_op_runs_import_only_what_they_need(tmp_path):
         heavy = {m for m in modules if m.split(".")[0] in ("numpy", "pydantic") or m.startswith("stager.engram")
                  or m == "typer._adapters" or m == "tqdm"}
         assert not heavy, (command, sorted(heavy))
+
+
+# ---- verify beside a running mirror -----------------------------------------------------------------
+
+def test_verify_while_a_mirror_writes_says_so(big_nas, tmp_path):
+    """A launcher's `stage verify` gate run while cron's `stage mirror` is copying: the problems it
+    finds are that mirror's unfinished work, and the report says which process holds the hub
+    (read from /proc/locks; the lock is not taken, so the mirror carries on and finishes)."""
+    manifest = big_manifest(big_nas, tmp_path)
+    hub = tmp_path / "nvme" / "hf" / "hub"
+    mirror = subprocess.Popen([*STAGE, "mirror", "--node", "dgx1", "--full", "-j", "1", "--manifest", str(manifest)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env())
+    while not temp_files(hub):
+        assert mirror.poll() is None, mirror.communicate()
+        time.sleep(0.002)
+    during = stage("verify", "--node", "dgx1", "--json", "--manifest", manifest)
+    text = stage("verify", "--node", "dgx1", "--manifest", manifest)
+    _, err = mirror.communicate(timeout=300)
+    assert mirror.returncode == 0, err
+    report = json.loads(during.stdout)
+    assert during.returncode == 1 and report["missing"] > 0, during.stdout
+    assert report["notes"] == [f"a stage mirror (pid {mirror.pid}) is writing {hub} now: what it has not "
+                               "finished shows as problems; verify again once it ends"]
+    assert f"note: a stage mirror (pid {mirror.pid})" in text.stderr and "note:" not in text.stdout
+    after = json.loads(stage("verify", "--node", "dgx1", "--json", "--manifest", manifest).stdout)
+    assert after["notes"] == [] and not [p for p in after["problems"] if p["path"].startswith(f"{hub}/")], after

@@ -47,4 +47,6 @@ def verify(
         terminal.print_problems(report.problems, to_stdout=True)
         for command in report.repairs:
             terminal.report(f"repair: {command}")
+        for note in report.notes:
+            terminal.say(f"note: {terminal.printable(note)}")
     terminal.exit_with(report.problems)
