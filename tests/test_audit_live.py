@@ -173,9 +173,10 @@ def test_a_lock_table_that_cannot_tell_keeps_temp_files_live(demo):
     assert str(temp) in temps(audit(demo["manifest"]))
 
 
-def test_the_audit_takes_no_lock(demo):
-    """Every flock the audit's process makes, recorded: only its anonymous probe, never a writer's
-    lock file (taking one, even briefly, could make a mirror starting then exit 3 "locked")."""
+@pytest.mark.parametrize("command", ["audit", "verify"])
+def test_the_audit_takes_no_lock(demo, command):
+    """Every flock the audit's (or verify's) process makes, recorded: only its anonymous probe, never
+    a writer's lock file (taking one, even briefly, could make a mirror starting then exit 3 "locked")."""
     lock, _temp = writer_case(demo, "mirror")
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.write_text("")
@@ -191,11 +192,11 @@ def test_the_audit_takes_no_lock(demo):
         "sys.argv = ['stage'] + sys.argv[2:]\n"
         "from stager.cli import main\n"
         "main()\n")
-    ran = subprocess.run([sys.executable, "-c", wrapper, str(log), "audit", "--node", "dgx1", "--manifest",
+    ran = subprocess.run([sys.executable, "-c", wrapper, str(log), command, "--node", "dgx1", "--manifest",
                           str(demo["manifest"])], capture_output=True, text=True, timeout=120)
     assert ran.returncode in (0, 1, 2), ran.stdout + ran.stderr
     taken = log.read_text().splitlines() if log.exists() else []
-    assert all(path.startswith("/memfd:stage-audit-probe") for path in taken), taken
+    assert taken and all(path.startswith("/memfd:stage-lock-probe") for path in taken), taken
 
 
 CHURN = r"""
