@@ -400,14 +400,18 @@ def preflight(steps: list[Step], dest: Path) -> None:
                         f"(short by {format_size(needed - free)})")
 
 
-def refuse_linked_records(walked: Walked, dest: Path) -> None:
+def refuse_unusable_records(walked: Walked, dest: Path) -> None:
     """Exit 3 before anything is copied when a record this run writes is a symlink (the writes would
-    replace the link, but a link planted there is an attack or a mistake worth stopping for)."""
+    replace the link, but a link planted there is an attack or a mistake worth stopping for), or
+    anything else that is not a regular file (a FIFO would block the read of the record)."""
     paths = [dest / SUMS_NAME, dest / JOURNAL_NAME, *(g / MOVED_NAME for g in {f.group for f in walked.files}),
              *(d / SUMS_NAME for d in _record_dirs(walked))]
     for path in paths:
-        if os.path.islink(path):
+        st = _lstat(path)
+        if st is not None and stat.S_ISLNK(st.st_mode):
             raise CannotRun(f"{path} is a symlink to {os.readlink(path)}; refusing to write a record through it")
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise CannotRun(f"{path} is not a regular file; refusing to use it as a record")
 
 
 def _record_dirs(walked: Walked) -> set[Path]:
@@ -516,7 +520,7 @@ def archive(sources: list[str], dest: str, *, protected: tuple[str, ...] = (),
     report = ArchiveReport(str(dest_dir), skipped=list(walked.skipped), problems=list(walked.problems),
                            already_archived=list(walked.already_archived))
     with writer_lock(dest_dir / ARCHIVE_LOCK, f"archive {dest_dir}"), _engram_locks(walked):
-        refuse_linked_records(walked, dest_dir)
+        refuse_unusable_records(walked, dest_dir)
         for leftover in walked.leftovers:  # a killed run's; only this tool writes these names
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(leftover)

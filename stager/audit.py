@@ -43,6 +43,7 @@ from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, HUB_LOCK, PROC_LOCKS, LockTab
 from stager.manifest import Manifest, load_manifest
 from stager.mirror import node_job, walk
 from stager.plan import LocalState, final_files, make_plan
+from stager.small_files import read_regular
 from stager.units import format_size
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
@@ -579,18 +580,9 @@ def previous_success(prom: Path, node: str) -> float | None:
     writable by node_exporter's group: the file is opened without following a link, without
     blocking on a FIFO, and read only if it is a regular file of a plausible size."""
     try:
-        fd = os.open(prom, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        text = read_regular(prom, TEXTFILE_LIMIT).decode("utf-8", "replace")
     except OSError:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > TEXTFILE_LIMIT:
-            return None
-        text = os.read(fd, TEXTFILE_LIMIT).decode("utf-8", "replace")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     prefix = f"{LAST_SUCCESS}{_labels(command='audit', node=node)} "
     for line in text.splitlines():
         if line.startswith(prefix):

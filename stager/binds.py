@@ -32,6 +32,7 @@ from stager.hub import COMMIT, Problem, RepoSnapshot, is_excluded, is_shared_pay
 from stager.manifest import Manifest
 from stager.sources import open_source
 from stager.sources.local import LocalSource
+from stager.small_files import read_regular
 from stager.verify import check_local_chain
 
 SHARED_STORE = "blobs"
@@ -97,7 +98,7 @@ def _local_ref_ok(local_hub: Path, snap: RepoSnapshot) -> bool:
     if COMMIT.match(snap.revision):
         return True
     try:
-        return (local_hub / snap.repo_dir / "refs" / snap.revision).read_bytes() == snap.commit.encode()
+        return read_regular(local_hub / snap.repo_dir / "refs" / snap.revision, 64, follow=True) == snap.commit.encode()
     except OSError:
         return False
 

@@ -20,10 +20,12 @@ from typing import Callable
 
 from stager import identity
 from stager.errors import BadInput
+from stager.small_files import read_regular
 from stager.units import parse_size
 
 DEFAULT_MANIFEST = Path("manifests/cluster.toml")
 MANIFEST_ENV = "STAGE_MANIFEST"
+MANIFEST_LIMIT = 1 << 20  # a cluster's manifest is a few KiB
 
 # A node's SSH address for peers: [user@]host[:port]; a URL or a path here is a mistake.
 _SSH_ADDRESS = re.compile(r"^([A-Za-z0-9._-]+@)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?$")
@@ -328,11 +330,14 @@ def resolve_manifest_path(explicit: str | os.PathLike | None) -> Path:
 def load_manifest(explicit: str | os.PathLike | None = None) -> Manifest:
     path = resolve_manifest_path(explicit)
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        # A manifest may be a symlink (to a shared config checkout); a FIFO or /dev/zero is refused.
+        raw = tomllib.loads(read_regular(path, MANIFEST_LIMIT, follow=True).decode("utf-8"))
     except FileNotFoundError:
         raise BadInput(f"{path}: manifest not found (use --manifest PATH or set {MANIFEST_ENV})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(f"{path}: cannot read manifest: {exc}") from None
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read manifest: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{path}: cannot read manifest: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise BadInput(f"{path}: not valid TOML: {exc}") from None
     return read_manifest(raw, str(path))

@@ -22,6 +22,7 @@ from stager.hub import SHARED_MARKER, RepoSnapshot, is_shared_payload
 from stager.plan import LocalState, final_files, kept_hops, wanted_links
 from stager.sources.base import Source
 from stager.sources.local import LocalReader
+from stager.small_files import read_regular
 from stager.workers import worker_pool
 
 META_LIMIT = 64 * 1024 * 1024
@@ -146,9 +147,11 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
         state = _lstat(local_hub / rel)
         if state.kind == "file" and state.size <= META_LIMIT:
             try:
-                state = LocalState("file", state.size, state.inode, content=(local_hub / rel).read_bytes())
+                state = LocalState("file", state.size, state.inode, content=read_regular(local_hub / rel))
             except FileNotFoundError:  # deleted since the lstat: plan it as absent
                 state = LocalState("absent")
+            except OSError:  # no longer a regular file: not ours to overwrite
+                state = LocalState("other")
         local[rel] = state
     return Observation(local, meta_content)
 
@@ -175,9 +178,7 @@ def _lstat(path: Path) -> LocalState:
 
 def _manifest_lines(path: Path) -> list[str]:
     try:
-        if not stat_module.S_ISREG(os.lstat(path).st_mode):
-            return []
-        return path.read_bytes()[:META_LIMIT].decode(errors="replace").splitlines()
+        return read_regular(path, META_LIMIT).decode(errors="replace").splitlines()
     except OSError:
         return []
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from stager.atomic import atomic_write_bytes, fsync_dir, open_for_write
 from stager.errors import CannotRun
+from stager.small_files import read_regular
 
 SUMS_NAME = "SHA256SUMS"
 MOVED_NAME = "MOVED.txt"
@@ -32,15 +33,15 @@ MOVED_HEADER = """\
 def read_record(path: Path) -> str | None:
     """The text of a record file, None if it does not exist; a symlink at `path` is exit 3."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return read_regular(path).decode("utf-8", errors="surrogateescape")
     except FileNotFoundError:
         return None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CannotRun(f"{path} is a symlink; refusing to use it as a record") from None
+        if exc.errno == errno.EINVAL:
+            raise CannotRun(f"{path} is not a regular file; refusing to use it as a record") from None
         raise
-    with open(fd, "rb") as handle:
-        return handle.read().decode("utf-8", errors="surrogateescape")
 
 
 def _escape(name: str) -> tuple[str, str]:

@@ -19,8 +19,9 @@ import xxhash
 from stager import identity
 from stager.fingerprint import Verdict, judge, reference_for
 from stager.hub import Entry, Problem, RepoSnapshot
-from stager.observe import DigestCache, expected_digest, local_digest
+from stager.observe import META_LIMIT, DigestCache, expected_digest, local_digest
 from stager.plan import kept_hops
+from stager.small_files import read_regular
 from stager.workers import worker_pool
 
 
@@ -238,9 +239,12 @@ def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyR
             continue
         checked += 1
         try:
-            mine = (local_hub / rel).read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
+            mine = read_regular(local_hub / rel, META_LIMIT, follow=True)
+        except FileNotFoundError:
             report.problems.append(Problem(str(local_hub / rel), "missing", "metadata file not staged"))
+            continue
+        except OSError as exc:  # a directory, a FIFO: never waited on
+            report.problems.append(Problem(str(local_hub / rel), "not_a_file", exc.strerror or str(exc)))
             continue
         is_ref = rel.startswith(f"{snap.repo_dir}/refs/")
         theirs = snap.commit.encode() if is_ref else source.read_small(rel, len(mine) + 1)

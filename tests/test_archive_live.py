@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import run_stage, sha256_file
 from ops_fixtures import MiB
 from reliability_support import bind, build_staging
@@ -306,3 +308,23 @@ def test_archive_and_pack_engram_at_once_leave_sha256sums_true(tmp_path):
         sha256sum_check(engram)
         listed = set(read_sums(engram / "SHA256SUMS"))
         assert listed == {p.name for p in engram.iterdir() if p.name.endswith(".bin")}
+
+
+@pytest.mark.parametrize("command", ["pack-engram", "verify", "archive"])
+def test_a_fifo_planted_at_sha256sums_never_hangs_a_run(tmp_path, command):
+    """A record's name holding a FIFO blocked the read of every command that rewrites or checks it."""
+    staging = packed_tp2_and_tp3(tmp_path)
+    engram = staging.engram_dir
+    (engram / "SHA256SUMS").unlink()
+    os.mkfifo(engram / "SHA256SUMS")
+    (engram / "engram-l1-r0of3.bin").unlink()  # pack-engram has a shard to write, and SHA256SUMS to update
+    dest = tmp_path / "archive"
+    dest.mkdir()
+    args = {"pack-engram": ["pack-engram", "--node", "dgx1", "--manifest", staging.manifest],
+            "verify": ["verify", "--node", "dgx1", "--manifest", staging.manifest],
+            "archive": ["archive", *sorted(engram.glob("*of2.bin")), dest]}[command]
+    result = run_stage(*args, timeout=60)
+    out = result.stdout + result.stderr
+    assert f"{engram / 'SHA256SUMS'}" in out and "not a regular file" in out, out
+    assert result.code == (1 if command == "verify" else 3), out
+    assert sorted(p.name for p in engram.glob("*of2.bin"))  # nothing archived without its record

@@ -3,6 +3,7 @@ naming the file and every offending key on one line."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,30 @@ def test_a_nul_byte_in_a_manifest_string_exits_2(tmp_path, where):
         text = BASE.replace('[models."acme/Flash"]', '[models."acme/Fl\\u0000ash"]')
     _, result = stage_with(tmp_path, text)
     assert result.code == 2 and "NUL" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "too large", "not utf-8"])
+def test_a_manifest_that_is_not_a_small_text_file_exits_2_at_once(tmp_path, kind):
+    """A FIFO blocked the read forever and /dev/zero filled memory; each is now one line, exit 2."""
+    path = tmp_path / "cluster.toml"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path = Path("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "too large":
+        path.write_text(BASE + "#" * (1 << 20) + "\n")
+    else:
+        path.write_bytes(BASE.encode() + b"# \xff\xfe\n")
+    result = run_stage("verify", "--node", "dgx1", "--manifest", path, timeout=20)
+    assert result.code == 2, result.stderr
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith(f"stage: error: {path}: cannot read manifest: "), line
+
+
+def test_a_manifest_reached_through_a_symlink_is_read(tmp_path):
+    (tmp_path / "real.toml").write_text(BASE)
+    (tmp_path / "cluster.toml").symlink_to("real.toml")
+    result = run_stage("mirror", "--node", "dgx1", "--dry-run", "--json", "--manifest", tmp_path / "cluster.toml")
+    assert "cannot read manifest" not in result.stderr and "not found" not in result.stderr, result.stderr

@@ -8,16 +8,14 @@ the rows with the source and, in full, the sha256 with SHA256SUMS.
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import stat
 import time
 
 from stager import __version__
 from stager.atomic import atomic_write_bytes
 from stager.engram.checkpoint import Checkpoint
 from stager.engram.shard_format import ROW_BYTES, ShardSpec
+from stager.small_files import read_regular
 
 # Keys that must equal what this run would write; anything else (tool version, time) is history.
 RECEIPT_KEYS = ("model", "commit", "source_file", "source_blob", "layer", "rank", "world", "layout",
@@ -61,19 +59,7 @@ def read_receipt(spec: ShardSpec) -> dict | None:
     """The receipt, or None if there is none that parses. A link at the receipt's name is not
     followed (it counts as no receipt, so the shard is repacked and the link replaced)."""
     try:
-        # O_NONBLOCK: a FIFO planted at the name must not hang the run (it is then refused below).
-        fd = os.open(spec.receipt, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO):
-            return None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with open(fd, "rb", closefd=False) as handle:
-            receipt = json.loads(handle.read(_RECEIPT_LIMIT).decode("utf-8"))
+        receipt = json.loads(read_regular(spec.receipt, _RECEIPT_LIMIT).decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    finally:
-        os.close(fd)
     return receipt if isinstance(receipt, dict) else None
