@@ -10,6 +10,7 @@ import errno
 import fcntl
 import os
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +27,16 @@ PROC_LOCKS = "/proc/locks"
 
 
 @contextlib.contextmanager
-def writer_lock(lock_path: Path, what: str) -> Iterator[None]:
-    """Hold an exclusive flock on `lock_path` for the duration, or exit 3 at once.
+def writer_lock(lock_path: Path, what: str, *, wait: float = 0) -> Iterator[bool]:
+    """Hold an exclusive flock on `lock_path` for the duration, or exit 3; yields whether it had
+    to wait for another holder.
 
     flock is released by the kernel when the holder dies (even by kill -9), so a
     stale lock file never blocks the next run. The holder's pid is written for the
-    message. Refusing beats waiting: cron and launchers retry, and a waiting
-    second run would only re-copy what the first one is copying.
+    message. By default a held lock is refused at once: cron retries, and a waiting
+    second run would only re-copy what the first one is copying. `wait` seconds of
+    patience are for a caller that must have the node ready before it goes on (a Slurm
+    prolog while cron's mirror runs).
     """
     ensure_real_dir(lock_path.parent)
     # Never through a link: a symlink planted at the lock's name once had root truncate its target.
@@ -43,11 +47,9 @@ def writer_lock(lock_path: Path, what: str) -> Iterator[None]:
         os.close(fd)
         raise CannotRun(f"lock file {lock_path} is not a regular file of its own (links: {st.st_nlink})")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise CannotRun(f"{what} is locked by another stage process (pid {holder}); lock file {lock_path}") from None
+        waited = _take(fd, wait, lambda: CannotRun(
+            f"{what} is locked by another stage process (pid {_holder(fd)}){f' after {wait:g} s' if wait else ''}; "
+            f"lock file {lock_path}"))
         os.ftruncate(fd, 0)
         try:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -56,9 +58,28 @@ def writer_lock(lock_path: Path, what: str) -> Iterator[None]:
             # have nothing to write; one that does gets the preflight's figures instead.
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-        yield
+        yield waited
     finally:
         os.close(fd)
+
+
+def _take(fd: int, wait: float, refusal) -> bool:
+    """flock(fd), polling for up to `wait` seconds while another process holds it; True if it did."""
+    deadline = time.monotonic() + wait
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return waited
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise refusal() from None
+            waited = True
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def _holder(fd: int) -> str:
+    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
 
 
 @dataclass(frozen=True)

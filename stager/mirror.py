@@ -138,7 +138,8 @@ def preflight(plan: Plan, job: NodeJob) -> None:
             f"reserve {format_size(job.reserve)} (short by {format_size(needed + job.reserve - free)})")
 
 
-def mirror(job: NodeJob, *, full: bool, dry_run: bool, progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> MirrorReport:
+def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
+           progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> MirrorReport:
     started = time.monotonic()
     snapshots = walk(job)
     cache = DigestCache(job.source, job.seed)
@@ -147,7 +148,9 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, progress_factory: Callabl
         plan = make_plan(snapshots, observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs).local
                          if job.local_hub.exists() else {}, {})
         return _summarize(report, plan, started)
-    with _hub_lock(job) as writable:
+    with _hub_lock(job, wait) as (writable, waited):
+        if waited:  # time has passed, and the NAS's refs may have moved: stage what they name now
+            snapshots = walk(job)
         seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs,
                        sources=job.never_write, progress_factory=progress_factory)
         plan = make_plan(snapshots, seen.local, seen.meta_content, str(job.local_hub))
@@ -177,11 +180,12 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, progress_factory: Callabl
 
 
 @contextlib.contextmanager
-def _hub_lock(job: NodeJob) -> Iterator[bool]:
-    """The writer lock, yielding True; on a read-only node hub no lock (nothing can change it
-    there) and False, so a hub with nothing to write still verifies."""
+def _hub_lock(job: NodeJob, wait: float) -> Iterator[tuple[bool, bool]]:
+    """The writer lock, yielding (True, whether it waited for another holder); on a read-only node
+    hub no lock (nothing can change it there) and (False, False), so a hub with nothing to write
+    still verifies."""
     if _read_only(job.local_hub):
-        yield False
+        yield False, False
         return
     try:
         job.local_hub.mkdir(parents=True, exist_ok=True)
@@ -189,8 +193,8 @@ def _hub_lock(job: NodeJob) -> Iterator[bool]:
         raise  # the CLI names the directory, its owner and the user who needs access
     except OSError as exc:
         raise CannotRun(f"node hub {job.local_hub} cannot be created: {exc.strerror}") from None
-    with writer_lock(job.local_hub / HUB_LOCK, f"local hub {job.local_hub}"):
-        yield True
+    with writer_lock(job.local_hub / HUB_LOCK, f"local hub {job.local_hub}", wait=wait) as waited:
+        yield True, waited
 
 
 def _read_only(path: Path) -> bool:

@@ -23,6 +23,9 @@ def mirror(
         "--source", metavar="PATH|URL", help="Stage from this hub (a path, or sftp://[user@]host[:port]/path of a peer) "
                                              "instead of the manifest's; verification still compares against the NAS "
                                              "when it answers")] = None,
+    wait: Annotated[float, typer.Option(
+        "--wait", metavar="SECONDS", min=0, help="When another stage process holds the node hub, wait up to "
+                                                 "SECONDS for it instead of exiting 3 at once")] = 0,
     manifest: ManifestOpt = None,
 ) -> None:
     """Mirror the node's models into its local hub, then verify them."""
@@ -31,7 +34,7 @@ def mirror(
 
     job = core.node_job(load_manifest(manifest), node, model, jobs=jobs or core.default_jobs(), seed=seed,
                         source_override=source)
-    report = core.mirror(job, full=full, dry_run=dry_run, progress_factory=terminal.byte_progress(not json, "stage"))
+    report = core.mirror(job, full=full, dry_run=dry_run, wait=wait, progress_factory=terminal.byte_progress(not json, "stage"))
     if json:
         terminal.emit_json(report.to_json())
     else:

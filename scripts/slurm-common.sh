@@ -1,0 +1,64 @@
+# Shared by slurm-prolog.sh and slurm-epilog.sh: settings, logging, and how a stage exit code
+# becomes the script's (docs/operations.md, "Slurm"). Sourced, not run.
+
+# slurmd runs prologs and epilogs with no search path of their own.
+PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+# Settings come from this file, since slurmd passes the script only its own variables.
+# STAGE_SLURM_CONF names another file (or none, when it does not exist).
+conf=${STAGE_SLURM_CONF:-/etc/stager/slurm.env}
+if [ -r "$conf" ]; then
+  # shellcheck source=/dev/null
+  . "$conf"
+fi
+STAGE=${STAGE:-/usr/local/bin/stage}                           # the installed stage command
+export STAGE_MANIFEST=${STAGE_MANIFEST:-/etc/stager/cluster.toml}
+STAGE_NODE=${STAGE_NODE:-${SLURMD_NODENAME:-$(hostname -s)}}   # the manifest's name for this node
+STAGE_WAIT=${STAGE_WAIT:-1800}       # seconds to wait for a stage mirror already writing the node hub
+STAGE_TOLERATE=${STAGE_TOLERATE:-}   # stage exit codes that still let jobs run, e.g. "3"
+
+say() {
+  # stderr reaches slurmd's log; syslog keeps it beside the node's other events.
+  echo "$role: $*" >&2
+  logger -t stage-slurm -- "$role: $*" 2>/dev/null || true
+}
+
+meaning() {
+  case $1 in
+    1) echo "problems found" ;;
+    2) echo "bad manifest or arguments" ;;
+    3) echo "could not run" ;;
+    130 | 143) echo "interrupted" ;;
+    *) echo "unexpected" ;;
+  esac
+}
+
+# finish RC WHAT ERROR: end the script for a stage exit code. 0 lets the job run. Any other
+# code drains the node (slurmd does that for a non-zero prolog or epilog, and requeues the job
+# of a failed prolog), unless it is listed in STAGE_TOLERATE: a node hub only ever moves from
+# one whole snapshot to the next, so a tolerated failure leaves jobs the last whole one.
+finish() {
+  local rc=$1 what=$2 error=$3
+  [ "$rc" -eq 0 ] && exit 0
+  local why="job ${SLURM_JOB_ID:-?} on $STAGE_NODE: $what exit $rc ($(meaning "$rc")): ${error:-no message}"
+  for ok in $STAGE_TOLERATE; do
+    if [ "$ok" = "$rc" ]; then
+      say "$why; tolerated, jobs run on the last whole snapshot staged"
+      exit 0
+    fi
+  done
+  say "$why; the node drains"
+  exit "$rc"
+}
+
+# run_stage ARGS...: run stage; $rc is its exit code, $error one line on what went wrong: its
+# error line, else (problems found) its summary and first problem, from the report on stdout.
+run_stage() {
+  local out err
+  out=$(mktemp) err=$(mktemp)
+  "$STAGE" "$@" >"$out" 2>"$err"
+  rc=$?
+  error=$(grep -v '^note: ' "$err" | tail -n 1)
+  [ -n "$error" ] || error=$(head -n 2 "$out" | sed 's/^ *//; s/  */ /g' | paste -sd '|' - | sed 's/|/; /')
+  rm -f "$out" "$err"
+}
