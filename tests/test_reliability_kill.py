@@ -16,7 +16,7 @@ import pytest
 
 from reliability_support import (STAGE, MiB, assert_converged, assert_engram_converged, assert_engram_truthful,
                                  assert_hub_truthful, build_staging, calibrate, copying, expected_shards, kill_at,
-                                 random_safetensors, sha256_file, temp_files, untouched)
+                                 random_safetensors, sha256_file, temp_files, untouched, Timing)
 
 TRIALS = 20  # kills per command, in TRIALS // 2 episodes
 # Row counts TP=3 does not divide; a few MiB per shard, so a shard is in flight for a while.
@@ -33,8 +33,13 @@ def kill_trials(command: list[str], written: Path, *, seed: int, reset: Callable
     from the first temp file under `written`); second kills are in the writing phase. So copies in
     flight are hit whatever the machine's speed, and the trials stay bounded in time.
     """
-    reset()
-    timing = calibrate(command, written)
+    # The shortest of three runs: one run timed during a burst of other work on the machine once
+    # put most kills after the end, and the trials then reached too few copies in flight.
+    timings = []
+    for _ in range(3):
+        reset()
+        timings.append(calibrate(command, written))
+    timing = Timing(min(t.total for t in timings), min(t.writing for t in timings))
     rng = random.Random(seed)
     outcomes: Counter = Counter()
     for trial in range(TRIALS):
