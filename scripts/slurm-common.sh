@@ -41,6 +41,7 @@ finish() {
   local rc=$1 what=$2 error=$3
   [ "$rc" -eq 0 ] && exit 0
   local why="job ${SLURM_JOB_ID:-?} on $STAGE_NODE: $what exit $rc ($(meaning "$rc")): ${error:-no message}"
+  local ok
   for ok in $STAGE_TOLERATE; do
     if [ "$ok" = "$rc" ]; then
       say "$why; tolerated, jobs run on the last whole snapshot staged"
