@@ -305,10 +305,24 @@ def fs_listing(*roots: Path, skip: tuple[Path, ...] = ()) -> dict[str, tuple]:
 @contextlib.contextmanager
 def tmpfs(mountpoint: Path, size: int) -> Iterator[Path]:
     """A real tmpfs of `size` bytes; unmounted on the way out whatever happened."""
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)], check=True)
-    try:
+    with _mounted(mountpoint, "tmpfs", "-o", f"size={size}"):
         yield mountpoint
+
+
+@contextlib.contextmanager
+def ramfs(mountpoint: Path) -> Iterator[Path]:
+    """A real ramfs (page-cache pages only: no size limit, and no O_DIRECT, which it refuses at
+    open with EINVAL); unmounted on the way out whatever happened."""
+    with _mounted(mountpoint, "ramfs"):
+        yield mountpoint
+
+
+@contextlib.contextmanager
+def _mounted(mountpoint: Path, fstype: str, *options: str) -> Iterator[None]:
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", fstype, *options, fstype, str(mountpoint)], check=True)
+    try:
+        yield
     finally:
         _umount(mountpoint)
 
