@@ -256,7 +256,8 @@ def add_engram_checkpoint(target: "Snapshot | Hub", repo_id: str | None = None, 
                           rows: int | dict[int, int] = 4099, prefix: str = "model.", heads=None, seed: int = 0,
                           file: str = "model-engram.safetensors", config: dict | None = None,
                           weight_map: dict[str, str] | None = None, shared: bool = True, streamed: bool = True,
-                          absolute_via: str | None = None, chunk: int = 8 * 1024 * 1024) -> EngramCheckpoint:
+                          absolute_via: str | None = None, chunk: int = 8 * 1024 * 1024,
+                          leading_bytes: int = 0) -> EngramCheckpoint:
     """A DeepSeek-V4-style Engram checkpoint: for each layer, `{prefix}layers.{L}.engram.embed.weight`
     (F8_E4M3, [rows, 256]) and `.scale` (F8_E8M0, [rows, 8]) in one safetensors file, plus
     model.safetensors.index.json (`weight_map`, merged with the one given) and config.json (`config`
@@ -266,10 +267,15 @@ def add_engram_checkpoint(target: "Snapshot | Hub", repo_id: str | None = None, 
     `rows` is one count for every layer or {layer: rows}. Bytes are blake3 XOF output read by seek, so
     streamed=True (the default) writes a table of any size in `chunk` pieces, never whole in memory;
     streamed=False builds the file in memory and can link it through an absolute `absolute_via` path.
+    `leading_bytes` puts a U8 tensor of that size (`{prefix}norm.weight`) before the Engram tensors,
+    as a real checkpoint has other tensors first: an odd size leaves every Engram span at an offset
+    that is not a multiple of 8 (the header is padded to 8 bytes).
     """
     snap = target.repo(repo_id).snapshot() if isinstance(target, Hub) else target
     counts = {layer: rows[layer] if isinstance(rows, dict) else rows for layer in layers}
     tensors: dict[str, tuple[str, list[int], int]] = {}
+    if leading_bytes:
+        tensors[f"{prefix}norm.weight"] = ("U8", [leading_bytes], leading_bytes)
     for layer, count in counts.items():
         tensors[f"{prefix}layers.{layer}.engram.embed.weight"] = ("F8_E4M3", [count, ENGRAM_WEIGHT_BYTES],
                                                                   count * ENGRAM_WEIGHT_BYTES)

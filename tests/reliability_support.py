@@ -318,6 +318,12 @@ def tmpfs(mountpoint: Path, size: int) -> contextlib.AbstractContextManager[Path
     return _mounted(["-t", "tmpfs", "-o", f"size={size}", "tmpfs"], mountpoint)
 
 
+def ramfs(mountpoint: Path) -> contextlib.AbstractContextManager[Path]:
+    """A real ramfs: page-cache pages only, no size limit, and no O_DIRECT (refused at open with
+    EINVAL, where this kernel's tmpfs accepts it)."""
+    return _mounted(["-t", "ramfs", "ramfs"], mountpoint)
+
+
 def bind(source: Path, mountpoint: Path) -> contextlib.AbstractContextManager[Path]:
     """`source` mounted again at `mountpoint` with `mount --bind`."""
     needs_root()

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +58,12 @@ def sparse_checkpoint(root: Path) -> tuple[Path, Path, dict[str, int]]:
     (snap / "model.safetensors.index.json").write_text(json.dumps(index))
     (snap / "config.json").write_text(json.dumps({"engram_layer_ids": [LAYER]}))
     return root / "hub", source, {"weight": 8 + len(text), "scale": 8 + len(text) + ROWS * 256}
+
+
+def vm_bytes(key: str) -> int:
+    """A size from /proc/self/status (VmRSS, VmHWM), in bytes."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{key}:\s+(\d+) kB$", status, re.MULTILINE).group(1)) * 1024
 
 
 def fill(source: Path, spans: dict[str, int], lo: int, hi: int, seed: int) -> None:
@@ -106,20 +112,19 @@ def test_a_field_sized_table_packs_at_64_bit_offsets_in_bounded_memory(tmp_path,
             root / "cluster.toml", root / "nas", hub, {MODEL: {}},
             extra=f'engram_dir = "{engram_dir}"\n\n[engram]\nmodel = "{MODEL}"\nworld = {WORLD}\n'))
 
-        tracemalloc.start()
-        try:
-            checkpoint = open_checkpoint(manifest, "dgx1", from_nas=False)
-            specs = shard_specs(manifest, "dgx1", checkpoint)
-            pack_rows(checkpoint, specs[packed], [first, last], engram_dir / "partial.bin")
-            for spec in specs:
-                pack_rows(checkpoint, spec, [(spec.lo, spec.lo + 1), (spec.hi - 1, spec.hi)],
-                          engram_dir / f"boundary-r{spec.rank}.bin")
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-        # The pipeline's reused chunk buffers (two here, for two chunks; three at most): tracemalloc
-        # sees their 4.1 MiB of read buffers each (the interleaved rows are mmap'd, which it does
-        # not see), and nothing that grows with the rows: one byte per row would be 366 MiB.
+        # The process's resident high-water mark, reset here (clear_refs 5): it counts the chunk
+        # buffers, which are mmap'd (page-aligned for O_DIRECT) and so invisible to tracemalloc.
+        Path("/proc/self/clear_refs").write_text("5")
+        resident = vm_bytes("VmRSS")
+        checkpoint = open_checkpoint(manifest, "dgx1", from_nas=False)
+        specs = shard_specs(manifest, "dgx1", checkpoint)
+        pack_rows(checkpoint, specs[packed], [first, last], engram_dir / "partial.bin")
+        for spec in specs:
+            pack_rows(checkpoint, spec, [(spec.lo, spec.lo + 1), (spec.hi - 1, spec.hi)],
+                      engram_dir / f"boundary-r{spec.rank}.bin")
+        peak = vm_bytes("VmHWM") - resident
+        # The pipeline's reused chunk buffers (two here, for two chunks; three at most), 8.3 MiB
+        # each, and nothing that grows with the rows: one byte per row would be 366 MiB.
         assert 8 * MiB < peak < 40 * MiB, f"peak {peak / MiB:.1f} MiB"
 
         # Partition boundaries and sizes, computed here: every rank's range, past 2**32 bytes.

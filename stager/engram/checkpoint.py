@@ -59,9 +59,11 @@ class Checkpoint:
     config_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)  # config.json's engram_head_rows
     needs: tuple[str, ...] = ()  # snapshot files the geometry was read from (index, safetensors files)
 
-    def open(self, file: str):
+    def open(self, file: str, *, sequential: bool = False):
+        """`sequential` for a pass over whole spans (packing, a full check): a local file is then
+        also read with O_DIRECT wherever offsets and lengths allow (stager/engram/row_stream.py)."""
         try:
-            return self.source.open(self.finals[file], uncached=False)
+            return self.source.open(self.finals[file], uncached=False, sequential=sequential)
         except OSError as exc:
             raise CannotRun(f"{self.source.display(self.finals[file])}: cannot open: {exc.strerror or exc}") from None
 

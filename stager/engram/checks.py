@@ -69,7 +69,7 @@ def check_shard(spec: ShardSpec, checkpoint: Checkpoint, sums: dict[str, str], *
         listed = sums.get(spec.path.name)
         if listed != receipt.get("sha256"):
             return f"{SUMS_NAME} {'has no entry' if listed is None else 'entry differs from the receipt'}"
-        reader = checkpoint.open(checkpoint.tables[spec.layer].file)
+        reader = checkpoint.open(checkpoint.tables[spec.layer].file, sequential=full)
         try:
             if full:
                 return _full_check(spec, checkpoint, reader, shard, listed)

@@ -161,7 +161,7 @@ def pack_layer(checkpoint: Checkpoint, specs: list[ShardSpec], progress: Callabl
     for spec in specs:
         if spec.path.is_dir() and not spec.path.is_symlink():
             raise CannotRun(f"{spec.path} is a directory; move it away so the shard can be written")
-    reader = checkpoint.open(table.file)
+    reader = checkpoint.open(table.file, sequential=True)
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="engram-hash") as hash_pool, \
                 closing(iter_rows(reader, table, [(s.lo, s.hi) for s in specs], where)) as chunks:
@@ -200,7 +200,7 @@ def pack_rows(checkpoint: Checkpoint, spec: ShardSpec, runs: list[tuple[int, int
     try:
         os.ftruncate(fd, spec.bytes)
         writer = _ShardWriter(spec, fd, None)
-        reader = checkpoint.open(table.file)
+        reader = checkpoint.open(table.file, sequential=True)
         try:
             with closing(iter_rows(reader, table, sorted(runs), str(path))) as chunks:
                 for rows, first_row in chunks:

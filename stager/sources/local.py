@@ -19,11 +19,12 @@ class LocalReader:
     """Positioned reads on a local or NFS file. `uncached` drops the client's page cache
     first, so a stale NFS client cache cannot answer for the server's bytes.
 
-    `direct` also opens the file with O_DIRECT, which sequential `readinto` calls use when
+    `direct` also opens the file with O_DIRECT, which `readinto` and `readinto_at` use when
     offset and length are block-aligned (callers pass page-aligned buffers, see
-    copier.aligned_buffer): the disk or the NFS server fills the buffer itself, which saves
-    the page cache's copy and its reclaim, a third of `--full`'s CPU. Anything unaligned, and
-    filesystems without O_DIRECT (tmpfs, some FUSE), read through the page cache as before."""
+    aligned_buffer): the disk or the NFS server fills the buffer itself, which saves the page
+    cache's copy and its reclaim, a third of `--full`'s CPU. Anything unaligned, and
+    filesystems without O_DIRECT (ramfs, tmpfs on older kernels, some FUSE), read through the
+    page cache as before."""
 
     def __init__(self, path: str, *, uncached: bool, sequential: bool = False, direct: bool = False):
         self.path = path
@@ -53,20 +54,29 @@ class LocalReader:
             offset += len(data)
         return b"".join(chunks)
 
+    @property
+    def direct(self) -> bool:
+        """True while block-aligned reads still go around the page cache."""
+        return self._direct >= 0
+
     def readinto(self, buffer: memoryview) -> int:
+        got = self.readinto_at(buffer, self._pos)
+        self._pos += got
+        return got
+
+    def readinto_at(self, buffer: memoryview, offset: int) -> int:
+        """One positioned read into `buffer`; how many bytes it got (fewer at the end of the file)."""
         fd = self.fd
-        if self._direct >= 0 and self._pos % DIRECT_ALIGN == 0 and len(buffer) % DIRECT_ALIGN == 0:
+        if self._direct >= 0 and offset % DIRECT_ALIGN == 0 and len(buffer) % DIRECT_ALIGN == 0:
             fd = self._direct
         with reaching(self.path):
             try:
-                got = os.preadv(fd, [buffer], self._pos)
+                return os.preadv(fd, [buffer], offset)
             except OSError as exc:
                 if fd == self.fd or exc.errno != errno.EINVAL:
                     raise
                 self._close_direct()  # a buffer the device refuses: the page cache from here on
-                got = os.preadv(self.fd, [buffer], self._pos)
-        self._pos += got
-        return got
+                return os.preadv(self.fd, [buffer], offset)
 
     def _close_direct(self) -> None:
         if self._direct >= 0:
@@ -169,5 +179,6 @@ class LocalSource:
         return absolute_to_rel(target, self.aliases, self._prefixes)
 
     def open(self, rel: str, *, uncached: bool, sequential: bool = False) -> LocalReader:
-        # Sequential reads of a source are whole-file copies: straight into the copier's buffers.
+        # Sequential reads are whole-file copies and whole-span passes (an Engram table): straight
+        # into the caller's page-aligned buffers.
         return LocalReader(self.path(rel), uncached=uncached, sequential=sequential, direct=sequential)
