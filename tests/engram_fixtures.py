@@ -39,7 +39,7 @@ def build(tmp_path: Path, *, layers=(1, 14), rows=None, prefix="model.", world=3
           extra_engram="", exclude: list[str] | None = None, engram_dir: Path | None = None,
           leading_bytes: int = 0) -> dict:
     """A NAS with an Engram checkpoint, a manifest for node dgx1, and (stage=True) the model mirrored."""
-    rows = rows or {1: 70_001, 14: 9_973}  # layer 1 spans two 64 Ki-row chunks; neither divides by 3
+    rows = rows or {1: 70_001, 14: 9_973}  # layer 1 spans several 16 Ki-row chunks; neither divides by 3
     nas = Hub(tmp_path / "nas" / "hf" / "hub")
     info = add_engram_checkpoint(nas, FLASH, layers=layers, rows=rows, prefix=prefix, heads=heads,
                                  leading_bytes=leading_bytes)

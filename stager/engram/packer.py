@@ -37,11 +37,10 @@ from stager.lock import ENGRAM_LOCK, writer_lock
 from stager.manifest import Manifest
 from stager.mirror import free_bytes
 from stager.records import SUMS_NAME, read_sums, update_sums
-from stager.sources.local import reopen_direct
+from stager.sources.local import DIRECT_ALIGN, reopen_direct
 from stager.units import format_size
 
 WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every 32 MiB
-DIRECT_BLOCK = 4096  # O_DIRECT writes: whole blocks of this size, from page-aligned memory, at aligned offsets
 
 
 @dataclass(frozen=True)
@@ -221,7 +220,7 @@ class _ShardWriter:
     chunk buffer to the disk: no copy into the page cache and no writeback to drive, which took
     half of the command's system time (1.36 s -> 0.65 s per 2.15 GB here). Every chunk of a shard
     starts 4 KiB-aligned (row_stream), so only a shard's last few rows are left for the ordinary
-    descriptor. Where O_DIRECT is refused (tmpfs, some FUSE), all writes are buffered, and every
+    descriptor. Where O_DIRECT is refused (ramfs, tmpfs on older kernels, some FUSE), all writes are buffered, and every
     WRITEBACK_BYTES the dirty range is handed to writeback (DONTNEED): without that the closing
     fsync waited for the whole shard (0.5 s per GiB), with it for the last 32 MiB."""
 
@@ -254,8 +253,8 @@ class _ShardWriter:
 
     def _write_direct(self, rows: memoryview, offset: int) -> int:
         """Bytes of `rows` written with O_DIRECT: its whole 4 KiB blocks, when there is a direct descriptor."""
-        size = len(rows) - len(rows) % DIRECT_BLOCK
-        if self.direct < 0 or size == 0 or offset % DIRECT_BLOCK:
+        size = len(rows) - len(rows) % DIRECT_ALIGN
+        if self.direct < 0 or size == 0 or offset % DIRECT_ALIGN:
             return 0
         try:
             _pwrite_all(self.direct, rows[:size], offset)
