@@ -157,9 +157,8 @@ def protected_places(manifest: str | None) -> tuple[str, ...]:
     if not manifest and not os.environ.get(MANIFEST_ENV) and not path.exists():
         return ()
     loaded = load_manifest(path)
-    sources = [loaded.nas.hub, *(node.source for node in loaded.nodes.values() if node.source)]
-    local = [s.removeprefix("file://") for s in sources if "://" not in s or s.startswith("file://")]
-    return tuple(dict.fromkeys(map(resolved, [*local, *loaded.nas.aliases.values()])))
+    node_sources = [node.source for node in loaded.nodes.values() if node.source]
+    return tuple(dict.fromkeys(map(resolved, loaded.local_sources(node_sources))))
 
 
 def check_dest(dest: str, protected: tuple[str, ...]) -> Path:

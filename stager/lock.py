@@ -47,9 +47,13 @@ def writer_lock(lock_path: Path, what: str, *, wait: float = 0) -> Iterator[bool
         os.close(fd)
         raise CannotRun(f"lock file {lock_path} is not a regular file of its own (links: {st.st_nlink})")
     try:
-        waited = _take(fd, wait, lambda: CannotRun(
-            f"{what} is locked by another stage process (pid {_holder(fd)}){f' after {wait:g} s' if wait else ''}; "
-            f"lock file {lock_path}"))
+        try:
+            waited = _take(fd, wait)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            after = f" after {wait:g} s" if wait else ""
+            raise CannotRun(f"{what} is locked by another stage process (pid {holder}){after}; "
+                            f"lock file {lock_path}") from None
         os.ftruncate(fd, 0)
         try:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -63,8 +67,9 @@ def writer_lock(lock_path: Path, what: str, *, wait: float = 0) -> Iterator[bool
         os.close(fd)
 
 
-def _take(fd: int, wait: float, refusal) -> bool:
-    """flock(fd), polling for up to `wait` seconds while another process holds it; True if it did."""
+def _take(fd: int, wait: float) -> bool:
+    """flock(fd), polling for up to `wait` seconds while another process holds it; True if it had
+    to wait. BlockingIOError when it is still held at the end."""
     deadline = time.monotonic() + wait
     waited = False
     while True:
@@ -73,13 +78,9 @@ def _take(fd: int, wait: float, refusal) -> bool:
             return waited
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise refusal() from None
+                raise
             waited = True
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-
-
-def _holder(fd: int) -> str:
-    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
 
 
 @dataclass(frozen=True)

@@ -270,8 +270,7 @@ class Manifest:
         compares spellings; `refuse_source_overlap` compares identities when a command writes."""
         problems = []
         for name, node in self.nodes.items():
-            sources = [s.removeprefix("file://") for s in (self.nas.hub, node.source)
-                       if s and ("://" not in s or s.startswith("file://"))]
+            sources = _local_paths([self.nas.hub, node.source])
             for key in ("hub", "engram_dir"):
                 dest = getattr(node, key)
                 problems += [(("nodes", name, key), f"{dest} overlaps the source hub {source}, which this tool "
@@ -287,8 +286,7 @@ class Manifest:
     def local_sources(self, extra: list[str] = ()) -> list[str]:
         """Every local spelling of a source this tool must never write: the NAS hub, its alias
         targets, and any local source given on the command line. sftp:// sources are not local."""
-        roots = [self.nas.hub, *self.nas.aliases.values(), *extra]
-        return [r.removeprefix("file://") for r in roots if r and ("://" not in r or r.startswith("file://"))]
+        return _local_paths([self.nas.hub, *self.nas.aliases.values(), *extra])
 
     def refuse_source_overlap(self, key: str, dest: str, extra: list[str] = ()) -> None:
         """Exit 2 when a destination (`key` = `dest`) is, lies in, or holds a local source,
@@ -307,6 +305,11 @@ class Manifest:
     def source_for(self, node_name: str) -> str:
         """Where this node stages from: its own `source` override, else the NAS hub."""
         return self.node(node_name).source or self.nas.hub
+
+
+def _local_paths(hubs: list[str | None]) -> list[str]:
+    """The hubs given as paths or file:// URLs, as paths; an sftp:// hub is not on this host."""
+    return [h.removeprefix("file://") for h in hubs if h and ("://" not in h or h.startswith("file://"))]
 
 
 def _overlap(a: str, b: str) -> bool:
