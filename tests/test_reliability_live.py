@@ -9,13 +9,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from conftest import run_stage, sha256_file, write_manifest
 from hubgen import Hub, random_safetensors
-from reliability_support import (MODEL, MiB, Staging, assert_hub_truthful, bind, build_staging, needs_root,
+from reliability_support import (MODEL, STAGE, MiB, Staging, assert_hub_truthful, bind, build_staging, needs_root,
                                  read_only_bind, run_json, temp_files, tree_state, untouched)
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
@@ -465,3 +466,46 @@ def test_a_hard_link_planted_at_the_lock_is_refused(staging, tmp_path):
     result = staging.mirror()
     assert result.code == 3 and "lock file" in result.stderr
     assert victim.read_bytes() == b"precious"
+
+
+def test_a_mirror_that_waited_for_the_lock_stages_the_ref_as_it_is_then(staging):
+    """`stage mirror --wait` (the Slurm prolog's) reads the NAS's refs before it waits for another
+    mirror; a ref moved during the wait is what it must stage once it holds the hub, not the commit
+    it read before."""
+    from test_audit_live import holding
+
+    assert staging.mirror().code == 0
+    new = Hub(staging.nas).repo(MODEL).snapshot()
+    new.add_lfs("model-00001-of-00001.safetensors", random_safetensors(91, 1 * MiB), shared=False)
+    new.finish(ref=None)
+    lock = staging.local / ".locks" / "stager.lock"
+    with holding(lock) as holder:
+        waiting = subprocess.Popen([*STAGE, "mirror", "--node", "dgx1", "--wait", "60", "--json", "--manifest",
+                                    str(staging.manifest)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # It has read the ref and opened the lock file: it is waiting for the holder.
+        while not any(os.path.realpath(f"/proc/{waiting.pid}/fd/{fd}") == str(lock)
+                      for fd in os.listdir(f"/proc/{waiting.pid}/fd")):
+            assert waiting.poll() is None, waiting.communicate()
+            time.sleep(0.002)
+        ref = staging.nas / "models--acme--Weights" / "refs" / "main"
+        (ref.parent / "main.tmp").write_text(new.commit)
+        os.replace(ref.parent / "main.tmp", ref)
+        holder.stdin.close()
+        out, err = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0, out + err
+    assert (staging.local / "models--acme--Weights" / "refs" / "main").read_text() == new.commit
+    assert offline_load(staging.local) == new.sha256
+
+
+def test_a_fifo_planted_at_the_node_ref_is_reported_and_replaced_never_waited_on(staging):
+    """verify reads the node's refs to compare them with the NAS's commit; a FIFO at refs/main
+    blocked that read forever. It is `not_a_file` now, and the mirror writes the ref over it."""
+    assert staging.mirror().code == 0
+    ref = staging.local / "models--acme--Weights" / "refs" / "main"
+    ref.unlink()
+    os.mkfifo(ref)
+    verify = staging.stage("verify", "--json", timeout=30)
+    assert verify.code == 1, verify.stdout + verify.stderr
+    assert [(p["kind"], p["path"]) for p in run_json(verify)["problems"]] == [("not_a_file", str(ref))]
+    assert staging.mirror(timeout=30).code == 0
+    assert ref.read_text() == staging.snapshot.commit and offline_load(staging.local) == staging.snapshot.sha256
