@@ -762,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
         with Lab(config_from(args)) as lab:
             if args.command == "up":
-                print(json.dumps(lab.describe(), indent=2), flush=True)
+                print(json.dumps(lab.describe()), flush=True)  # one line: `| jq` for people
                 print(f"lab {lab.run_id} is up; Ctrl-C (or SIGTERM to {os.getpid()}) removes it", file=sys.stderr)
                 while True:
                     time.sleep(3600)
