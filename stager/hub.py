@@ -23,10 +23,13 @@ import json
 import os
 import posixpath
 import re
+import stat
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from stager.atomic import is_temp_name
 from stager.errors import CannotRun
+from stager.small_files import read_regular
 from stager.sources.base import Source, Stat
 
 SHARED_STORE = "blobs"
@@ -198,6 +201,33 @@ def resolve_revision(source: Source, repo_dir: str, revision: str) -> str | None
         return None
     text = source.read_small(ref, 128).decode("ascii", errors="replace").strip()
     return text if COMMIT.match(text) else None
+
+
+def serving_commit(local_hub: Path, repo_id: str, revision: str) -> str | None:
+    """The commit a node hub serves for `revision` of `repo_id`, or None when it serves none.
+
+    The one rule for "which local revision is the node's": mirror and verify stay on it while the
+    NAS's ref names a revision the NAS has not finished downloading, the audit reports it, and
+    prune never removes it. It is what an offline huggingface_hub client loads: a 40-hex
+    revision is itself, a branch or tag is the commit the node's own refs/<revision> names; in
+    both cases only if that snapshot directory is a real directory in the node hub. Refs are
+    written last and only onto a snapshot whole on the node (execute.publish_refs), so the
+    commit named here was whole when it was staged; whether it still is, verify says."""
+    repo = Path(local_hub) / repo_dir_name(repo_id)
+    if COMMIT.match(revision):
+        commit = revision
+    else:
+        try:  # never blocks on a FIFO planted at the ref (small_files)
+            commit = read_regular(repo / "refs" / revision, 128, follow=True).decode("ascii", "replace").strip()
+        except (OSError, ValueError):
+            return None
+        if not COMMIT.match(commit):
+            return None
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(repo / "snapshots" / commit).st_mode)
+    except OSError:
+        return None
+    return commit if is_dir else None
 
 
 def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -> RepoSnapshot:

@@ -17,6 +17,7 @@ from typing import Callable
 import typer
 
 from stager.errors import EXIT_OK, EXIT_PROBLEMS
+from stager.text import printable
 from stager.units import format_size
 
 _json_emitted = False
@@ -155,12 +156,6 @@ def print_problems(problems: list, *, to_stdout: bool = False) -> None:
     text (`to_stdout`); a note beside it for those whose stdout is machine input (binds)."""
     for problem in problems:
         (report if to_stdout else say)(f"  {problem.kind:<16} {printable(problem.path)}: {printable(problem.detail)}")
-
-
-def printable(text: str) -> str:
-    """One problem, one line: a newline or a non-UTF-8 byte in a NAS file name is shown escaped
-    (`\\n`, `\\udcff` for byte 0xff) instead of breaking the line or the terminal."""
-    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def size(n: int) -> str:
