@@ -25,6 +25,7 @@ from stager.fingerprint import Digest, Verdict, judge, new_hasher, sampled_diges
 from stager.hub import SHARED_STORE, Problem
 from stager.observe import DigestCache
 from stager.plan import CopyFile, MakeLink, Plan, kept_hops
+from stager.small_files import read_regular_head
 from stager.units import format_size
 from stager.verify import NAS_FILE_BAD, check_local_chain
 from stager.workers import worker_pool
@@ -164,10 +165,13 @@ def _first_break(snap, local_hub: Path, failed: frozenset[str]) -> str | None:
 
 
 def _current_commit(ref: Path) -> str:
+    # Never a blocking read: a FIFO at the node's ref hung the mirror while it built this message.
     try:
-        return ref.read_text(encoding="ascii", errors="replace").strip() or "nothing"
-    except OSError:
+        return read_regular_head(ref, 128).decode("ascii", errors="replace").strip() or "nothing"
+    except FileNotFoundError:
         return "nothing"
+    except OSError as exc:
+        return f"an unreadable ref ({exc.strerror})"
 
 
 def writable_dir(local_hub: Path, rel_dir: str, never_write: tuple[str, ...] = ()) -> Path:

@@ -262,7 +262,7 @@ def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyR
 
 def _drop_cache(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)  # a FIFO never blocks
     except OSError:
         return
     try:
