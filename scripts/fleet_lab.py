@@ -75,6 +75,21 @@ SFTP_SERVERS = ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-serve
 # Ethernet (14) + IPv4 (20) + TCP with timestamps (32): what each frame adds to the TCP payload.
 FRAME_OVERHEAD = 66
 _RUN_ID = re.compile(r"^[0-9a-f]{4}$")
+# Loaded by every Python process of a corrupting node (Lab.corrupting): large sends lose a bit.
+CORRUPTING_SITE = '''import socket
+
+_sendall = socket.socket.sendall
+
+
+def _corrupting_sendall(self, data, *args):
+    if len(data) >= 1 << 20:
+        data = bytearray(data)
+        data[len(data) // 2] ^= 0x01
+    return _sendall(self, data, *args)
+
+
+socket.socket.sendall = _corrupting_sendall
+'''
 
 
 def ray_bin() -> str:
@@ -334,6 +349,10 @@ Subsystem sftp {sftp}
                     # 1: listen on and register the node's own address (0 keeps Ray on loopback, and
                     # `ray start --address` then refuses to join).
                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_USAGE_STATS_ENABLED": "0",
+                    # A machine shared with other work starves raylets for seconds at a time; by
+                    # default the GCS marks a node dead after 5 missed 10 s health checks, and the
+                    # lab would then measure Ray's detector, not the transport.
+                    "RAY_health_check_timeout_ms": "30000", "RAY_health_check_failure_threshold": "10",
                     "STAGE_SSH_KEY": str(self.ssh_key), "STAGE_SSH_KNOWN_HOSTS": str(self.known_hosts)})
         return env
 
@@ -364,17 +383,30 @@ Subsystem sftp {sftp}
                 "--labels", f"{LABEL}={member.name}", "--temp-dir", str(self.root / f"ray-{member.name}"),
                 "--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0"]
 
-    def rejoin(self, member: Member) -> None:
-        """Bring a killed node back: its sshd, and a new Ray node with its label."""
+    def rejoin(self, member: Member, extra_env: dict[str, str] | None = None) -> None:
+        """Bring a node back after kill_node (or restart it): its sshd, and a new Ray node with its
+        label, whose processes get `extra_env` too."""
         self.kill_node(member.name)
         self._start_sshd(member, None)
-        self._ray_start(member, self._node_argv(member), f"{member.name}-again")
+        self._ray_start(member, self._node_argv(member), f"{member.name}-again", extra_env)
         self.wait_for_nodes({member.name})
 
-    def _ray_start(self, member: Member | None, argv: list[str], name: str) -> None:
+    def corrupting(self, member: Member) -> None:
+        """Restart a node as a corrupting peer: every Python process on it (its Ray workers, so its
+        relay) flips one byte in each socket send of 1 MiB or more, the way a bad NIC or a
+        malicious member would send a chunk. Its control traffic (small sends, Ray's C++ core,
+        sshd) is untouched. rejoin() without it makes the node honest again."""
+        site = self.root / "corrupting-site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(CORRUPTING_SITE)
+        self.rejoin(member, {"PYTHONPATH": str(site)})
+
+    def _ray_start(self, member: Member | None, argv: list[str], name: str,
+                   extra_env: dict[str, str] | None = None) -> None:
         log = self.root / f"ray-start-{name}.log"
         with open(log, "wb") as out:
-            proc = subprocess.run(self._in(member, argv), env=self.ray_env(), stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.run(self._in(member, argv), env={**self.ray_env(), **(extra_env or {})}, stdout=out,
+                                  stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, timeout=180, preexec_fn=self._enter_cgroup(member))
         if proc.returncode != 0:
             raise LabError(f"ray start for {name} failed (exit {proc.returncode}): {log.read_text()[-2000:]}")

@@ -72,6 +72,13 @@ class Overheads:
     sample_per_file: float = 2 * MiB  # each node's sampled check reads this much per file from the NAS
     detect: float = 3.0  # broadcast: seconds until the nodes behind a dead one route around it
     hop_latency: float = 0.002
+    round_launch: float = 0.0  # sftp tree: the driver's seconds to start each next transfer's task
+    # The lab only: all its nodes share one machine's cores. Each node's CPU per GB received is
+    # measured (its cgroup), and the work of the nodes moving bytes at once queues on these cores
+    # on top of the transfer (a relay that is not scheduled does not move its bytes). None: every
+    # node has its own cores (a real cluster), and only the relay's own CPU limit applies.
+    host_cores: float | None = None
+    cpu_per_gb: dict = field(default_factory=dict)  # per transport, measured; a relay's default: Cluster's
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,13 @@ class Outcome:
     limit: str  # what bounds the rate: "NAS", "link", "relay CPU", "SFTP", "rounds"
 
 
+def host_cpu(c: Cluster, o: Overheads, transport: str, busy: int) -> float:
+    """Seconds the lab's shared cores add when `busy` nodes each move S at once."""
+    if o.host_cores is None:
+        return 0.0
+    return busy * c.size / GB * o.cpu_per_gb.get(transport, c.cpu_per_gb) / o.host_cores
+
+
 def simulate(transport: str, cluster: Cluster, over: Overheads = Overheads()) -> Outcome:
     return {"nas": direct, "sftp": sftp_tree, "broadcast": broadcast, "chain": chain}[transport](cluster, over)
 
@@ -90,7 +104,7 @@ def direct(c: Cluster, o: Overheads) -> Outcome:
     need = [c.size + c.files * o.sample_per_file] * c.n
     caps = [min(c.link_of(i), o.sftp_stream * o.jobs) for i in range(c.n)]
     finish = water_fill(need, caps, c.nas)
-    start = o.startup["nas"]
+    start = o.startup["nas"] + host_cpu(c, o, "nas", c.n)
     limit = "NAS" if c.nas < sum(caps) else ("SFTP" if o.sftp_stream * o.jobs < c.link else "link")
     return Outcome(start + max(finish), tuple(start + f for f in finish), sum(need), limit)
 
@@ -124,20 +138,25 @@ def water_fill(need: list[float], caps: list[float], total: float) -> list[float
 
 def sftp_tree(c: Cluster, o: Overheads) -> Outcome:
     """Event-driven: a staged node serves one waiting node at a time; the first reads the NAS."""
-    def transfer(src_rate: float, node: int) -> float:
+    def transfer(src_rate: float, node: int, alongside: int) -> float:
         rate = min(src_rate, c.link_of(node), o.sftp_stream * o.jobs)
-        return o.transfer_overhead + c.size / rate + c.files * o.sample_per_file / min(c.nas, c.link_of(node))
+        return (o.transfer_overhead + c.size / rate + c.files * o.sample_per_file / min(c.nas, c.link_of(node))
+                + host_cpu(c, o, "sftp", 2 * alongside))  # the serving sshd works as hard as the reader
 
     start = o.startup["sftp"] - o.transfer_overhead
-    done = {0: start + transfer(c.nas, 0)}
+    done = {0: start + transfer(c.nas, 0, 1)}
     free_at = [(done[0], 0)]  # (time a server is free, server)
     waiting = list(range(1, c.n))
     while waiting:
         free_at.sort()
-        at, server = free_at.pop(0)
-        node = waiting.pop(0)
-        done[node] = at + transfer(c.link_of(server), node)
-        free_at += [(done[node], server), (done[node], node)]
+        at = free_at[0][0]
+        # Every server free at this moment starts one transfer: they run side by side.
+        servers = [server for when, server in free_at if when <= at + 1e-9][:len(waiting)]
+        free_at = [(when, server) for when, server in free_at if server not in servers]
+        for server in servers:
+            node = waiting.pop(0)
+            done[node] = at + o.round_launch + transfer(c.link_of(server), node, len(servers))
+            free_at += [(done[node], server), (done[node], node)]
     per_node = tuple(done[i] for i in range(c.n))
     return Outcome(max(per_node), per_node, c.size + c.n * c.files * o.sample_per_file,
                    "rounds" if c.n > 2 else "SFTP" if o.sftp_stream * o.jobs < c.link else "link")
@@ -153,7 +172,7 @@ def broadcast(c: Cluster, o: Overheads, startup: str = "broadcast", samples: boo
     slow = {i for i, rate in c.stragglers if rate < c.link}
     chain_nodes = [i for i in range(c.n) if i not in slow]
     rate, limit = chain_rate(c, chain_nodes or list(range(c.n)))
-    start = o.startup[startup]
+    start = o.startup[startup] + host_cpu(c, o, startup, c.n)
     per_hop = c.chunk / rate + o.hop_latency
     finish = {}
     for position, node in enumerate(chain_nodes):
@@ -196,16 +215,36 @@ def medians(results: dict) -> dict[tuple[str, int], float]:
 
 
 def fit(results: dict) -> Overheads:
-    """The overheads from the lab's N = 1 runs: each transport's startup is what its one-node time
-    has beyond the bytes; the tree's per-transfer overhead is its startup (a one-node tree is one
-    transfer)."""
+    """The lab's overheads. Measured, not fitted: each transport's CPU per GB per node (the
+    median of the nodes' cgroups) and the tree's task launch between transfers (the run's wall
+    time less its node's own seconds, at N = 1). Fitted: the shared cores the lab's nodes got,
+    from direct reads at N = 1 and 2 (the second node adds S on the NAS link and its CPU on the
+    cores), and each transport's fixed start from its N = 1 run."""
     config, measured = results["config"], medians(results)
-    base = Overheads()
+    data = config["data_bytes"]
+    cpu: dict[str, float] = {}
+    for transport in TRANSPORTS:
+        per_node = [seconds / (data / GB) for run in results["runs"] if run["transport"] == transport
+                    and not run.get("killed") for seconds in run.get("cpu", {}).values()]
+        if per_node:
+            cpu[transport] = statistics.median(per_node)
+    launch = [run["seconds"] - max(run["node_seconds"].values()) for run in results["runs"]
+              if run["transport"] == "sftp" and run["n"] == 1 and run.get("node_seconds")]
+    base = replace(Overheads(), cpu_per_gb=cpu, round_launch=statistics.median(launch) if launch else 0.0)
+    cores = None
+    if ("nas", 1) in measured and ("nas", 2) in measured and "nas" in cpu:
+        bare = replace(base, startup={t: 0.0 for t in TRANSPORTS})
+        link_step = (simulate("nas", lab_cluster(config, 2), bare).seconds
+                     - simulate("nas", lab_cluster(config, 1), bare).seconds)
+        cpu_step = measured[("nas", 2)] - measured[("nas", 1)] - link_step
+        cores = data / GB * cpu["nas"] / cpu_step if cpu_step > 0 else None
+    base = replace(base, host_cores=cores)
     startup = dict(base.startup)
     for transport in TRANSPORTS:
         if (transport, 1) in measured:
             bare = replace(base, startup={**base.startup, transport: 0.0}, transfer_overhead=0.0)
-            startup[transport] = max(0.0, measured[(transport, 1)] - simulate(transport, lab_cluster(config, 1), bare).seconds)
+            one = simulate(transport, lab_cluster(config, 1), bare).seconds
+            startup[transport] = max(0.0, measured[(transport, 1)] - one)
     return replace(base, startup=startup, transfer_overhead=startup["sftp"])
 
 
@@ -226,6 +265,10 @@ def check(results: dict, tolerance: float = 0.15, max_n: int = 8) -> list[dict]:
 
 def predict(ns: list[int], links_gbe: list[float], nas_gbps: list[float], size: float, files: int,
             cpu_per_gb: float, relay_cores: float, over: Overheads) -> list[dict]:
+    """direct (a NAS mount: no SFTP cap), today's SFTP tree, the broadcast with its Python relay
+    (`relay_cores` at `cpu_per_gb`), and the same chain with a relay that costs no CPU (a NIC- or
+    GPU-driven copy: NCCL/NIXL), at cluster scale."""
+    mounted = replace(over, sftp_stream=float("inf"))
     rows = []
     for link_gbe in links_gbe:
         for nas in nas_gbps:
@@ -233,12 +276,24 @@ def predict(ns: list[int], links_gbe: list[float], nas_gbps: list[float], size: 
                 cluster = Cluster(n=n, size=size, files=files, link=link_gbe * 1e9 / 8, nas=nas * GB,
                                   cpu_per_gb=cpu_per_gb, relay_cores=relay_cores)
                 row = {"link_gbe": link_gbe, "nas_gbps": nas, "n": n}
-                for transport in ("nas", "sftp", "broadcast"):
-                    outcome = simulate(transport, cluster, over)
-                    row[transport] = round(outcome.seconds, 1)
-                    row[f"{transport}_limit"] = outcome.limit
+                for name, transport, model, shape in (
+                        ("direct", "nas", mounted, cluster), ("sftp", "sftp", over, cluster),
+                        ("broadcast", "broadcast", over, cluster),
+                        ("native", "broadcast", over, replace(cluster, cpu_per_gb=1e-9))):
+                    outcome = simulate(transport, shape, model)
+                    row[name] = round(outcome.seconds, 1)
+                    row[f"{name}_limit"] = outcome.limit
                 rows.append(row)
     return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| link | NAS | N | direct | sftp tree | broadcast, Python relay | broadcast, no relay CPU |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r[k]:,.0f} s ({r[k + '_limit']})" for k in ("direct", "sftp", "broadcast", "native")]
+        lines.append(f"| {r['link_gbe']:g} GbE | {r['nas_gbps']:g} GB/s | {r['n']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def parse_size(text: str) -> float:
@@ -280,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     pred.add_argument("--cpu-per-gb", type=float, default=3.0)
     pred.add_argument("--relay-cores", type=float, default=1.0)
     pred.add_argument("--calibration", type=Path)
+    pred.add_argument("--markdown", action="store_true", help="a table instead of JSON lines")
     chk = sub.add_parser("check", help="compare the model with a lab measurements file (exit 1 beyond 15 %%)")
     chk.add_argument("results", type=Path)
     chk.add_argument("--tolerance", type=float, default=0.15)
@@ -295,9 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if rows and all(row["within"] for row in rows) else 1
     if args.command == "predict":
         # At cluster scale the lab's per-run overheads (Ray on a 2-core machine) are not the cost.
-        for row in predict(args.n, args.link_gbe, args.nas_gbps, args.size, args.files, args.cpu_per_gb,
-                           args.relay_cores, over):
-            print(json.dumps(row))
+        rows = predict(args.n, args.link_gbe, args.nas_gbps, args.size, args.files, args.cpu_per_gb,
+                       args.relay_cores, over)
+        print(markdown(rows) if args.markdown else "\n".join(json.dumps(row) for row in rows))
         return 0
     stragglers = tuple((int(i), float(r) * 1e6 / 8) for i, _, r in (s.partition("=") for s in args.straggler))
     killed = None
