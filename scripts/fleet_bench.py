@@ -187,7 +187,9 @@ def run_fleet_mirror(lab: Lab, transport: str, nodes: list[Member], timeout: flo
                      kill: tuple[str, float] | None = None) -> dict:
     idle = idle_rates(lab, nodes)
     cpu_before = {m.name: lab.cpu_seconds(m) or 0.0 for m in nodes}
-    argv = [sys.executable, "-m", "stager", "fleet", "mirror", *TRANSPORT_ARGS[transport], "--json", "--nodes",
+    # A broadcast needs two nodes; with one it is that node reading the NAS, which is T(1).
+    chosen = TRANSPORT_ARGS["nas"] if transport == "broadcast" and len(nodes) == 1 else TRANSPORT_ARGS[transport]
+    argv = [sys.executable, "-m", "stager", "fleet", "mirror", *chosen, "--json", "--nodes",
             ",".join(m.name for m in nodes), "--timeout", str(int(timeout)), "--manifest", str(lab.manifest)]
     before, read_before, started = lab.counters(), sftp_read(lab), time.monotonic()
     proc = subprocess.Popen(argv, env=lab.driver_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -669,15 +669,24 @@ def run_cgroup(run_id: str) -> Path | None:
 
 
 def remove_cgroups(run_id: str) -> None:
+    """Kill whatever is still in the run's cgroups (cgroup.kill), then remove them. A cgroup
+    cannot be removed while a dying process is still leaving it, so this waits a little."""
     group = run_cgroup(run_id)
     if group is None or not group.exists():
         return
-    for child in sorted(group.iterdir()):
-        if child.is_dir():
-            with contextlib.suppress(OSError):
-                child.rmdir()
-    with contextlib.suppress(OSError):
-        group.rmdir()
+    children = [child for child in group.iterdir() if child.is_dir()]
+    for child in children:
+        with contextlib.suppress(OSError):
+            (child / "cgroup.kill").write_text("1")
+    deadline = time.monotonic() + 10
+    for path in [*children, group]:
+        while path.exists():
+            try:
+                path.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
 
 
 def namespaces() -> list[str]:

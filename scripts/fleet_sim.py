@@ -23,8 +23,11 @@ one uplink of `nas`, and each node's relay can move `relay_cores / cpu_per_gb` G
 - chain: the broadcast's arithmetic without the Ray run's overheads or the sampled checks.
 
 Every transport pays a fixed `startup` (the driver joining Ray, the tasks starting, the walk).
-The overheads are fitted from the lab's N = 1 runs only (fit()), so how the times grow with N is
-the model's, not the fit's; `check` compares every (transport, N <= 8) of a measurements file.
+On the lab every node shares one machine's cores: each node's measured CPU per GB then queues on
+`host_cores` on top of the transfer. fit() takes the CPU per GB and the tree's task launch as
+measured and fits the cores and each transport's start from the N = 1 and 2 runs only, so how
+the times grow to N = 8 is the model's; `check` compares every (transport, N <= 8) of a
+measurements file.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Overheads:
     detect: float = 3.0  # broadcast: seconds until the nodes behind a dead one route around it
     hop_latency: float = 0.002
     round_launch: float = 0.0  # sftp tree: the driver's seconds to start each next transfer's task
+    peer_extra: float = 0.0  # sftp tree: what a transfer from a peer costs beyond one from the NAS
     # The lab only: all its nodes share one machine's cores. Each node's CPU per GB received is
     # measured (its cgroup), and the work of the nodes moving bytes at once queues on these cores
     # on top of the transfer (a relay that is not scheduled does not move its bytes). None: every
@@ -155,7 +159,7 @@ def sftp_tree(c: Cluster, o: Overheads) -> Outcome:
         free_at = [(when, server) for when, server in free_at if server not in servers]
         for server in servers:
             node = waiting.pop(0)
-            done[node] = at + o.round_launch + transfer(c.link_of(server), node, len(servers))
+            done[node] = at + o.round_launch + o.peer_extra + transfer(c.link_of(server), node, len(servers))
             free_at += [(done[node], server), (done[node], node)]
     per_node = tuple(done[i] for i in range(c.n))
     return Outcome(max(per_node), per_node, c.size + c.n * c.files * o.sample_per_file,
@@ -214,30 +218,44 @@ def medians(results: dict) -> dict[tuple[str, int], float]:
     return {key: statistics.median(values) for key, values in groups.items()}
 
 
-def fit(results: dict) -> Overheads:
-    """The lab's overheads. Measured, not fitted: each transport's CPU per GB per node (the
-    median of the nodes' cgroups) and the tree's task launch between transfers (the run's wall
-    time less its node's own seconds, at N = 1). Fitted: the shared cores the lab's nodes got,
-    from direct reads at N = 1 and 2 (the second node adds S on the NAS link and its CPU on the
-    cores), and each transport's fixed start from its N = 1 run."""
-    config, measured = results["config"], medians(results)
-    data = config["data_bytes"]
+def measured_cpu(results: dict) -> dict[str, float]:
+    """Each transport's CPU seconds per GB per node in the lab's runs (the median over its runs
+    and nodes of the nodes' cgroups): an input, measured, not fitted."""
+    data = results["config"]["data_bytes"]
     cpu: dict[str, float] = {}
     for transport in TRANSPORTS:
         per_node = [seconds / (data / GB) for run in results["runs"] if run["transport"] == transport
-                    and not run.get("killed") for seconds in run.get("cpu", {}).values()]
+                    and not run.get("killed") for seconds in (run.get("cpu") or {}).values()]
         if per_node:
             cpu[transport] = statistics.median(per_node)
-    launch = [run["seconds"] - max(run["node_seconds"].values()) for run in results["runs"]
-              if run["transport"] == "sftp" and run["n"] == 1 and run.get("node_seconds")]
-    base = replace(Overheads(), cpu_per_gb=cpu, round_launch=statistics.median(launch) if launch else 0.0)
+    return cpu
+
+
+def fit(results: dict) -> Overheads:
+    """The lab's overheads. Measured, not fitted: each transport's CPU per GB per node (the
+    median of the nodes' cgroups), and from the tree's N = 2 runs the driver's launch between
+    transfers and a peer transfer's extra seconds (the nodes' own times). Fitted: the shared
+    cores the lab's nodes got, from direct reads at N = 1 and 2, and each transport's fixed start
+    from its N = 1 run. So how the times grow from N = 2 to 8 is the model's, not the fit's."""
+    config, measured = results["config"], medians(results)
+    cpu = measured_cpu(results)
+    # The tree at N = 2 (one transfer from the NAS, then one from the peer): the driver's time
+    # between the two node commands, and how much longer the peer's transfer took.
+    pairs = [run for run in results["runs"] if run["transport"] == "sftp" and run["n"] == 2
+             and len(run.get("node_seconds") or {}) == 2 and not run.get("killed")]
+    launch = [(run["seconds"] - sum(run["node_seconds"].values())) / 2 for run in pairs]
+    extra = [run["node_seconds"]["dgx2"] - run["node_seconds"]["dgx1"] for run in pairs]
+    base = replace(Overheads(), cpu_per_gb=cpu, round_launch=statistics.median(launch) if launch else 0.0,
+                   peer_extra=max(0.0, statistics.median(extra)) if extra else 0.0)
     cores = None
     if ("nas", 1) in measured and ("nas", 2) in measured and "nas" in cpu:
+        # The second node adds its bytes on the NAS link (the model's) and its CPU on the shared
+        # cores (what is left of the step).
         bare = replace(base, startup={t: 0.0 for t in TRANSPORTS})
         link_step = (simulate("nas", lab_cluster(config, 2), bare).seconds
                      - simulate("nas", lab_cluster(config, 1), bare).seconds)
         cpu_step = measured[("nas", 2)] - measured[("nas", 1)] - link_step
-        cores = data / GB * cpu["nas"] / cpu_step if cpu_step > 0 else None
+        cores = config["data_bytes"] / GB * cpu["nas"] / cpu_step if cpu_step > 0 else None
     base = replace(base, host_cores=cores)
     startup = dict(base.startup)
     for transport in TRANSPORTS:
