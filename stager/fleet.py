@@ -45,8 +45,8 @@ LABEL = "stage-node"
 CONNECT_TIMEOUT = 60.0
 KILL_GRACE = 10.0
 INSTALL_HINT = "stage fleet needs Ray on every node: pip install 'stager[fleet]' (see docs/fleet.md)"
-# What the table's "bytes" column shows for each command (verify moves no bytes).
-BYTES_KEY = {"mirror": "copied_bytes", "pack-engram": "packed_bytes", "audit": "needed_bytes"}
+# What the table's "bytes" column shows for each command (verify moves no bytes; prune: bytes freed).
+BYTES_KEY = {"mirror": "copied_bytes", "pack-engram": "packed_bytes", "audit": "needed_bytes", "prune": "freed_bytes"}
 STATUS = {
     "audit": ("ok", "warning", "critical", "unknown"),  # Nagios, as `stage audit` exits
     "default": ("ok", "problems", "bad input", "cannot run"),
