@@ -22,7 +22,7 @@ before its rename, so a live copy looks as old as its source. Its writer's lock 
 in the kernel's table (/proc/locks). An entry that vanishes between its listing and its lstat was
 renamed or deleted by a writer, and is skipped.
 
-Every line it prints is one line: names from the disk are escaped (terminal.printable), and a `|`
+Every line it prints is one line: names from the disk are escaped (text.printable), and a `|`
 in the status text, which Nagios would take for the start of the perfdata, is shown as `\\x7c`.
 """
 
@@ -44,6 +44,7 @@ from stager.manifest import Manifest, load_manifest
 from stager.mirror import node_job, walk
 from stager.plan import LocalState, final_files, make_plan
 from stager.small_files import read_regular
+from stager.text import printable
 from stager.units import format_size
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
@@ -57,9 +58,7 @@ REPO_KINDS = ("models", "datasets", "spaces")
 
 
 def shown(text: str) -> str:
-    """A name from the disk as a piece of one printed line (see terminal.printable)."""
-    from stager.cli.terminal import printable  # the one escaping rule of every command's output
-
+    """A name from the disk as a piece of one printed line (see text.printable)."""
     return printable(str(text))
 
 

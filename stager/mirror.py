@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import shutil
@@ -24,6 +25,7 @@ from stager.sources.base import Source
 from stager.units import format_size
 from stager.verify import NAS_FILE_BAD, Subset, VerifyReport, verify_snapshots
 
+log = logging.getLogger(__name__)  # `stage -vv`: what the run decided, step by step
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,9 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
         seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs,
                        sources=job.never_write, progress_factory=progress_factory)
         plan = make_plan(snapshots, seen.local, seen.meta_content, str(job.local_hub))
+        log.debug("plan: %d copies (%s), %d links, %d metadata files, %d refs, %d problems", len(plan.copies),
+                  format_size(plan.bytes_to_copy), len(plan.links), len(plan.metadata), len(plan.refs),
+                  len(plan.problems))
         _summarize(report, plan, snapshots, started)
         if not writable and plan.writes:
             raise CannotRun(f"node hub {job.local_hub} is on a read-only filesystem and {plan.writes} "
@@ -196,6 +201,7 @@ def _hub_lock(job: NodeJob, wait: float) -> Iterator[tuple[bool, bool]]:
     except OSError as exc:
         raise CannotRun(f"node hub {job.local_hub} cannot be created: {exc.strerror}") from None
     with writer_lock(job.local_hub / HUB_LOCK, f"local hub {job.local_hub}", wait=wait) as waited:
+        log.debug("holding the writer lock %s%s", job.local_hub / HUB_LOCK, " after waiting" if waited else "")
         yield True, waited
 
 

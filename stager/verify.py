@@ -8,6 +8,7 @@ reference hash (full).  Results are typed problems; the CLI picks the exit code.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import stat
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from stager.plan import kept_hops
 from stager.small_files import read_regular
 from stager.workers import worker_pool
 
+
+log = logging.getLogger(__name__)  # `stage -v`: a line per file whose content was checked
 
 # How a problem says the NAS's own copy is wrong (shared with the mirror): no mirror can repair it.
 NAS_FILE_BAD = "the NAS file is bad and mirroring again cannot fix it; download it again on the NAS"
@@ -190,6 +193,8 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
                 report.problems.append(problem)
             else:
                 report.ok += 1
+                if log.isEnabledFor(logging.INFO):
+                    log.info("ok %s (%s)", local_hub / entry.rel, report.mode)
             if reread:
                 report.reread.append(str(local_hub / entry.rel))
     return report
@@ -260,7 +265,7 @@ def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyR
 
 def _drop_cache(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)  # a FIFO never blocks
     except OSError:
         return
     try:
