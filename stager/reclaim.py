@@ -33,7 +33,7 @@ from pathlib import Path
 
 from stager import identity
 from stager.atomic import is_temp_name
-from stager.hub import COMMIT, MAX_HOPS, SHA256_NAME
+from stager.hub import MAX_HOPS, SHA256_NAME
 from stager.in_use import FileId, Use, users
 from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, HUB_LOCK, PROC_LOCKS, LockTable
 from stager.records import SUMS_NAME, read_sums
@@ -727,31 +727,27 @@ def split_in_use(items: list[Item], roots: list[str]) -> tuple[list[Item], list[
 
 def wanted_from(snapshots, models: list[tuple[str, str]], hub: str) -> Wanted:
     """What the manifest wants of each listed repo: the commit the NAS ref names (pending or not),
-    the commit the node's own ref names (the revision it stays on while the NAS one is pending),
-    and a pinned commit as written. A model whose NAS walk gave no commit keeps every revision."""
-    from stager.hub import repo_dir_name
+    the commit the node serves (hub.serving_commit: the revision it stays on while the NAS one is
+    pending), and a pinned commit as written. A model whose NAS walk gave no commit keeps every
+    revision."""
+    from stager.hub import repo_dir_name, serving_commit
 
     commits: dict[str, frozenset[str] | None] = {}
     why: dict[str, str] = {}
     by_repo = {s.repo_id: s for s in snapshots}
     for repo_id, revision in models:
         name = repo_dir_name(repo_id)
-        keep = set()
-        if COMMIT.match(revision):
-            keep.add(revision)
-        else:
-            try:
-                local = read_regular(os.path.join(hub, name, "refs", revision), 128).decode("ascii", "replace").strip()
-                if COMMIT.match(local):
-                    keep.add(local)
-            except OSError:
-                pass
         snap = by_repo.get(repo_id)
         if snap is None or snap.commit is None:
             reason = next((p.detail for p in (snap.problems if snap else ())), "the NAS was not walked")
             commits[name] = None
             why[name] = f"cannot tell which revision the NAS wants ({reason})"
             continue
-        keep.add(snap.commit)
+        keep = {snap.commit}
+        if getattr(snap, "pending", None) is not None:
+            keep |= {snap.pending.commit, snap.pending.serving}
+        serving = serving_commit(Path(hub), repo_id, revision)
+        if serving:
+            keep.add(serving)
         commits[name] = frozenset(keep)
     return Wanted(commits, why)
