@@ -16,7 +16,7 @@ from stager import hints
 from stager.atomic import check_writable, nearest_existing
 from stager.errors import BadInput, CannotRun
 from stager.execute import execute, publish_refs
-from stager.hub import ExcludeError, Problem, RepoSnapshot, require_hub, walk_repo
+from stager.hub import ExcludeError, Pending, Problem, RepoSnapshot, require_hub, walk_for_node
 from stager.lock import HUB_LOCK, LockTable, writer_lock
 from stager.manifest import Manifest
 from stager.observe import DigestCache, observe
@@ -60,6 +60,7 @@ class MirrorReport:
     source: str = ""
     verify: VerifyReport | None = None
     would_copy: list[dict] = field(default_factory=list)  # --dry-run: {path, source, bytes, reason} per copy
+    pending: list[Pending] = field(default_factory=list)  # NAS revisions still downloading; the node stays put
 
     def to_json(self) -> dict:
         return {
@@ -74,6 +75,7 @@ class MirrorReport:
             "source": self.source,
             "verify": self.verify.to_json() if self.verify else None,
             "would_copy": self.would_copy,
+            "pending": [p.to_json() for p in self.pending],
         }
 
 
@@ -109,7 +111,7 @@ def walk(job: NodeJob, source: Source | None = None) -> list[RepoSnapshot]:
     snapshots = []
     for repo_id, revision, exclude in job.models:
         try:
-            snapshots.append(walk_repo(source, repo_id, revision, list(exclude)))
+            snapshots.append(walk_for_node(source, job.local_hub, repo_id, revision, list(exclude)))
         except ExcludeError as exc:
             raise BadInput(f"{job.manifest}: models.\"{repo_id}\".exclude: {exc}") from None
     return snapshots
@@ -151,7 +153,7 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
         # The real run's plan, so that what it would write (and refuse) is counted alike.
         seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs, sources=job.never_write)
         plan = make_plan(snapshots, seen.local, seen.meta_content, str(job.local_hub))
-        _summarize(report, plan, started)
+        _summarize(report, plan, snapshots, started)
         # What the real run would meet before its first write ends the dry run the same way.
         if _read_only(job.local_hub):
             if plan.writes:
@@ -169,7 +171,7 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
         log.debug("plan: %d copies (%s), %d links, %d metadata files, %d refs, %d problems", len(plan.copies),
                   format_size(plan.bytes_to_copy), len(plan.links), len(plan.metadata), len(plan.refs),
                   len(plan.problems))
-        _summarize(report, plan, started)
+        _summarize(report, plan, snapshots, started)
         if not writable and plan.writes:
             raise CannotRun(_read_only_message(job, plan))
         preflight(plan, job)
@@ -221,8 +223,8 @@ def _read_only(path: Path) -> bool:
 
 
 
-
-def _summarize(report: MirrorReport, plan: Plan, started: float) -> MirrorReport:
+def _summarize(report: MirrorReport, plan: Plan, snapshots: list[RepoSnapshot], started: float) -> MirrorReport:
+    report.pending = [s.pending for s in snapshots if s.pending]
     report.entries = plan.entries
     report.excluded = list(plan.excluded)
     report.problems = list(plan.problems)
@@ -245,6 +247,7 @@ def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source
     report = verify_snapshots(reference, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs,
                               sources=job.never_write, progress_factory=progress_factory)
     report.problems[:0] = [p for s in snapshots for p in s.problems]
+    report.pending = [s.pending for s in snapshots if s.pending]
     report.against = reference.url
     if any(_mirror_repairs(p, job.local_hub) for p in report.problems):
         report.repairs.append(hints.command("mirror", "--node", job.node, *(["--full"] if full else [])))

@@ -49,4 +49,5 @@ def mirror(
                         f"{len(report.excluded)} excluded, {terminal.count(len(report.problems), 'problem')} "
                         f"in {report.seconds:.1f}s")
         terminal.print_problems(report.problems, to_stdout=True)
+        terminal.print_pending(report.pending)
     terminal.exit_with(report.problems)
