@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, TimeoutOpt, app
+from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, QuietOpt, TimeoutOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -33,6 +33,8 @@ def fleet(
         help="Run on a Ray cluster that accepts requests without a token (anyone who reaches it runs code)")] = False,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Run a command on every node as Ray tasks; one table (or JSON object); exit code = worst node's."""
     from stager import fleet as core

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, SeedOpt, WaitOpt, app
+from stager.cli.app import DryRunOpt, FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, QuietOpt, SeedOpt, VerboseOpt, WaitOpt, app
 from stager.cli import terminal
 
 
@@ -14,7 +14,7 @@ from stager.cli import terminal
 def mirror(
     node: NodeOpt,
     model: Annotated[Optional[list[str]], typer.Option("--model", metavar="REPO", help="Only this repo (repeatable)")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be copied and why; write nothing")] = False,
+    dry_run: DryRunOpt = False,
     full: FullOpt = False,
     jobs: JobsOpt = None,
     json: JsonOpt = False,
@@ -25,6 +25,8 @@ def mirror(
                                              "when it answers")] = None,
     wait: WaitOpt = 0,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Mirror the node's models into its local hub, then verify them."""
     from stager import mirror as core
@@ -45,4 +47,5 @@ def mirror(
                         f"{len(report.excluded)} excluded, {terminal.count(len(report.problems), 'problem')} "
                         f"in {report.seconds:.1f}s")
         terminal.print_problems(report.problems, to_stdout=True)
+        terminal.print_pending(report.pending)
     terminal.exit_with(report.problems)
