@@ -39,7 +39,7 @@ def _numeric_options():
             annotation = getattr(desc, "annotation", None)
             inner = getattr(annotation, "__args__", (annotation,))
             kind = next((t for t in inner if t in (int, float)), None)
-            if kind is not None and not getattr(param, "is_flag", False):
+            if kind is not None and not getattr(param, "is_flag", False) and not getattr(param, "count", False):
                 found.append((" ".join(path), param.opts[0], kind, desc.parameter_info))
 
     walk(root, [])
