@@ -1,4 +1,4 @@
-"""`stage fleet mirror|verify|pack-engram|audit`: the node-local command on every node, over Ray."""
+"""`stage fleet mirror|verify|pack-engram|audit|prune`: the node-local command on every node, over Ray."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class FleetCommand(str, Enum):
     verify = "verify"
     pack_engram = "pack-engram"
     audit = "audit"
+    prune = "prune"
 
 
 @app.command()
