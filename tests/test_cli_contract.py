@@ -899,3 +899,46 @@ def test_ctrl_c_mid_copy_says_so_at_once_and_stops_at_the_next_chunk(tmp_path):
     again = stage("mirror", "--node", "dgx1", "--manifest", manifest)
     assert again.returncode == 0, again.stderr  # the lock was released
     assert stage("verify", "--node", "dgx1", "--full", "--manifest", manifest).returncode == 0
+
+
+# ---- 12. scripts/hubgen.py as a command ---------------------------------------------------------------
+
+def hubgen_cli(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "hubgen.py"), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, timeout=300, env=_clean_env())
+
+
+def test_hubgen_has_a_command_line_that_builds_hubs_stage_can_serve(tmp_path):
+    usage = hubgen_cli("--help", cwd=tmp_path)
+    assert usage.returncode == 0 and all(word in usage.stdout for word in ("demo", "hub", "engram")), usage
+    assert "--size SIZE" in hubgen_cli("hub", "-h", cwd=tmp_path).stdout
+    made = hubgen_cli("hub", "h", "--size", "24MiB", "--files", "3", "--small-files", "4", cwd=tmp_path)
+    manifest = Path(made.stdout.strip())
+    assert made.returncode == 0 and manifest == tmp_path / "h" / "cluster.toml", made
+    snapshot = next((tmp_path / "h" / "nas" / "hf" / "hub" / "models--acme--Model" / "snapshots").iterdir())
+    weights = sorted(snapshot.glob("*.safetensors"))
+    assert len(weights) == 3 and abs(sum(w.stat().st_size for w in weights) - 24 * MiB) < 4096
+    assert len(list((snapshot / "extra").iterdir())) == 4
+    assert stage("mirror", "--node", "node1", "-q", "--manifest", manifest).returncode == 0
+    assert stage("verify", "--node", "node1", "--full", "-q", "--manifest", manifest).returncode == 0
+    from huggingface_hub import snapshot_download
+    from safetensors import safe_open
+
+    local = snapshot_download("acme/Model", cache_dir=tmp_path / "h" / "nvme" / "hf" / "hub", local_files_only=True)
+    with safe_open(os.path.join(local, weights[0].name), "numpy") as staged:
+        assert list(staged.keys())  # the staged weight loads
+
+    engram = hubgen_cli("engram", "e", "--rows", "3001", "--world", "2", "--layers", "3", cwd=tmp_path)
+    manifest = Path(engram.stdout.strip())
+    assert engram.returncode == 0 and stage("mirror", "--node", "node1", "--manifest", manifest).returncode == 0
+    packed = json.loads(stage("pack-engram", "--node", "node1", "--json", "--manifest", manifest).stdout)
+    assert [(s["layer"], s["rank"], s["world"]) for s in packed["shards"]] == [(3, 0, 2), (3, 1, 2)]
+    assert stage("verify", "--node", "node1", "--full", "--manifest", manifest).returncode == 0
+
+    demo = hubgen_cli("demo", "d", cwd=tmp_path)
+    assert demo.returncode == 0 and stage("mirror", "--node", "dgx1", "--manifest", demo.stdout.strip()).returncode == 0
+    again = hubgen_cli("demo", "d", cwd=tmp_path)  # DIR holds a hub now: refused unless --force
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "--force" in again.stderr
+    assert hubgen_cli("--force", "demo", "d", cwd=tmp_path).returncode == 0
+    bad = hubgen_cli("hub", "x", "--size", "12X", cwd=tmp_path)
+    assert bad.returncode == 2 and "--size" in bad.stderr and not (tmp_path / "x").exists()
