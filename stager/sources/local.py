@@ -113,9 +113,24 @@ class LocalReader:
         self.close()
 
 
+HUGE_PAGE = 2 * 1024 * 1024
+
+
 def aligned_buffer(size: int) -> mmap.mmap:
-    """A page-aligned, writable buffer (anonymous memory), as O_DIRECT needs."""
-    return mmap.mmap(-1, size)
+    """A page-aligned, writable buffer (anonymous memory), as O_DIRECT needs.
+
+    Buffers of a huge page or more ask for transparent huge pages: an O_DIRECT request from
+    physically contiguous memory goes to the disk in fewer, larger pieces. An 8 MiB direct copy
+    of 168 MB here took 0.45-0.52 s with them and 0.70-0.85 s without, at the same CPU."""
+    # MAP_PRIVATE: Python's default for anonymous maps is MAP_SHARED, which is shmem, whose page
+    # lookups (shmem_get_folio) and pinning were the largest kernel cost of a direct copy.
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP compiled out or disabled: ordinary pages, as before
+            pass
+    return buffer
 
 
 def reopen_direct(fd: int, flags: int) -> int:
