@@ -15,6 +15,7 @@ import itertools
 import os
 import re
 import secrets
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -269,6 +270,30 @@ def ensure_dir(directory: Path) -> None:
         raise
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the closest ancestor that exists: where a directory not made yet would be made."""
+    while not os.path.exists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable(directory: Path) -> None:
+    """Raise, without writing anything, the OSError that writing in `directory` (made first if
+    missing) would meet now: a read-only file system, or no write access for this user. A dry run
+    calls it so that it ends as the real run would (exit 3, the same message), where it once
+    listed its plan and exited 0 for a run that could not write a byte."""
+    existing = nearest_existing(directory)
+    # The name the first write would fail on, in `existing` (the directory to make, or the `.locks`
+    # of one that exists): the error then reads as the real run's does.
+    below = Path(directory).relative_to(existing).parts[:1] if existing != directory else (".locks",)
+    first = str(existing.joinpath(*below))
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), first)
+    effective = os.access in os.supports_effective_ids
+    if not os.access(existing, os.W_OK | os.X_OK, effective_ids=effective):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), first)
+
+
 def ensure_real_dir(directory: Path) -> Path:
     """Make `directory` and check that it is a directory of its own, not a link to one.
 
@@ -281,14 +306,23 @@ def ensure_real_dir(directory: Path) -> Path:
 
 
 def open_for_write(path: Path, flags: int, mode: int = 0o644) -> int:
-    """os.open for writing that never follows a link at `path` (a planted one fails with exit 3)."""
+    """os.open for writing a regular file that never follows a link at `path` and never blocks on
+    a FIFO there (either fails with exit 3, naming the path): opened without O_NONBLOCK, a FIFO
+    with no reader waits for ever."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CannotRun(f"{path} is a symlink; refusing to write through it") from None
+        if exc.errno == errno.ENXIO:  # a FIFO that nobody reads
+            raise CannotRun(f"{path} is not a regular file; refusing to write to it") from None
         raise_if_disk_full(exc, path)
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CannotRun(f"{path} is not a regular file; refusing to write to it")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def sweep_temps(directory: Path) -> list[Path]:

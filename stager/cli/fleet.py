@@ -1,4 +1,4 @@
-"""`stage fleet mirror|verify|pack-engram|audit`: the node-local command on every node, over Ray."""
+"""`stage fleet mirror|verify|pack-engram|audit|prune`: the node-local command on every node, over Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, app
+from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, QuietOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -16,6 +16,7 @@ class FleetCommand(str, Enum):
     verify = "verify"
     pack_engram = "pack-engram"
     audit = "audit"
+    prune = "prune"
 
 
 @app.command()
@@ -23,7 +24,9 @@ def fleet(
     command: Annotated[FleetCommand, typer.Argument(help="The node-local command to run on every node")],
     nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma-separated node names (default: every node in the manifest)")] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds before a silent node is reported unreachable")] = 3600,
-    fan_out: Annotated[bool, typer.Option("--fan-out", help="mirror: one node from the NAS, the rest from staged peers")] = False,
+    fan_out: Annotated[bool, typer.Option("--fan-out", help="mirror: one node from the NAS, the rest from staged peers over SFTP (--transport sftp)")] = False,
+    transport: Annotated[Optional[str], typer.Option(
+        "--transport", help="mirror: how shared bytes move: nas (every node reads its source), sftp (the peer tree)")] = None,
     full: FullOpt = False,
     subset: Annotated[Optional[str], typer.Option("--subset", help="verify: check bucket N of T (N/T) on every node")] = None,
     allow_unauthenticated_cluster: Annotated[bool, typer.Option(
@@ -31,13 +34,15 @@ def fleet(
         help="Run on a Ray cluster that accepts requests without a token (anyone who reaches it runs code)")] = False,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Run a command on every node as Ray tasks; one table (or JSON object); exit code = worst node's."""
     from stager import fleet as core
     from stager.manifest import load_manifest
 
     names = [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None
-    report = core.run_fleet(load_manifest(manifest), command.value, names, timeout=timeout, fan_out=fan_out,
+    report = core.run_fleet(load_manifest(manifest), command.value, names, timeout=timeout, fan_out=fan_out, transport=transport,
                             full=full, subset=subset, allow_unauthenticated=allow_unauthenticated_cluster)
     if json:
         terminal.emit_json(report.to_json())

@@ -1,0 +1,180 @@
+"""The fleet driver: which node runs what, and what each one reported.
+
+Each node runs its node-local command (`stage mirror --node X --json`, ...) as a subprocess of a
+Ray task scheduled with the label selector `stage-node=X` and `num_cpus=0`: the exit code and the
+JSON are exactly the node-local contract, and the task never holds a CPU slot that GPU work is
+waiting for. A node that is not in the Ray cluster, or that has not answered by the deadline, is
+reported as unreachable (exit 3); the fleet's exit code is the worst node's.
+
+For `mirror` the driver also decides where each node's bytes come from (the transport): its own
+source (`nas`), a staged peer over SFTP (`sftp`, --fan-out). It never knows how a byte moves:
+that is the transport's, and a transport never decides what a node needs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from stager.errors import EXIT_CANNOT_RUN, EXIT_OK, BadInput
+from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
+from stager.fleet.node import node_argv, run_on_node
+from stager.fleet.report import BYTES_KEY, STATUS, FleetReport, NodeRun, unreachable
+from stager.manifest import Manifest
+
+LABEL = "stage-node"
+TRANSPORTS = ("nas", "sftp")
+
+
+def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
+              fan_out: bool = False, transport: str | None = None, full: bool = False, subset: str | None = None,
+              allow_unauthenticated: bool = False) -> FleetReport:
+    names = list(dict.fromkeys(nodes or manifest.nodes))
+    if not names:
+        raise BadInput(f"{manifest.path}: nodes: no nodes to run on")
+    for name in names:
+        manifest.node(name)
+    transport = choose_transport(manifest, command, names, fan_out, transport)
+    options = verify_options(command, full, subset)
+    ray = import_ray()
+    started = time.monotonic()
+    address, auth = connect(ray, min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
+    try:
+        driver = Driver(ray, manifest, command, started + timeout, timeout, options)
+        if transport == "sftp":
+            from stager.fleet.sftp_tree import fan_out as stage_by_tree
+
+            runs = stage_by_tree(driver, names)
+        else:
+            runs = driver.all_at_once(names)
+    finally:
+        ray.shutdown()
+    return FleetReport(command, tuple(runs[name] for name in names), time.monotonic() - started,
+                       transport == "sftp", address, auth)
+
+
+def choose_transport(manifest: Manifest, command: str, names: list[str], fan_out: bool,
+                     transport: str | None) -> str | None:
+    """The transport a mirror uses (None for the other commands). --fan-out is --transport sftp."""
+    option = "--fan-out" if fan_out else "--transport"
+    if (fan_out or transport) and command != "mirror":
+        raise BadInput(f"{option} applies to `stage fleet mirror` only, not {command}")
+    if fan_out and transport not in (None, "sftp"):
+        raise BadInput(f"--fan-out is --transport sftp; it cannot be combined with --transport {transport}")
+    if transport is not None and transport not in TRANSPORTS:
+        raise BadInput(f"--transport expects one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    chosen = "sftp" if fan_out else transport
+    if chosen == "sftp" and not any(manifest.nodes[name].address for name in names):
+        raise BadInput(f"{manifest.path}: {option} needs nodes.<name>.address = \"[user@]host[:port]\" "
+                       f"on the nodes that serve their peers")
+    if command != "mirror":
+        return None
+    return chosen or "nas"
+
+
+def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:
+    """`--full` and `--subset N/T` for each node's `stage verify`, checked once here so a typo is
+    one exit 2 rather than one per node."""
+    if not full and subset is None:
+        return ()
+    if command != "verify":
+        raise BadInput(f"--full and --subset apply to `stage fleet verify` only, not {command}")
+    from stager.verify import Subset
+
+    try:
+        chosen = Subset.parse(subset) if subset is not None else None
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    return (("--full",) if full else ()) + (("--subset", subset) if chosen else ())
+
+
+@dataclass
+class Driver:
+    ray: object
+    manifest: Manifest
+    command: str
+    deadline: float
+    timeout: float
+    options: tuple[str, ...] = ()
+    running: dict = field(default_factory=dict)  # ObjectRef -> (node, source override)
+    runs: dict[str, NodeRun] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.task = self.ray.remote(num_cpus=0, max_retries=0)(run_on_node)
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def present(self, names: list[str]) -> list[str]:
+        """The named nodes that have a live Ray node labelled for them; the others are unreachable."""
+        labelled = {node.get("Labels", {}).get(LABEL) for node in self.ray.nodes() if node.get("Alive")}
+        for name in names:
+            if name not in labelled:
+                self.runs[name] = unreachable(name, f"no live Ray node is labelled {LABEL}={name}")
+        return [name for name in names if name in labelled]
+
+    def launch(self, node: str, source: str | None = None) -> None:
+        argv = node_argv(self.manifest, self.command, node, source, self.options)
+        # The node stops its command a little before the deadline, so it can still say "timed out"
+        # (alive but slow) rather than be counted as silent.
+        budget = max(1.0, self.left() - min(5.0, 0.1 * self.timeout))
+        ref = self.task.options(label_selector={LABEL: node}, name=f"stage {self.command} {node}").remote(argv, budget)
+        self.running[ref] = (node, source)
+
+    def wait_one(self) -> NodeRun | None:
+        """The next node to finish, or None at the deadline."""
+        if not self.running or self.left() <= 0:
+            return None
+        ready, _ = self.ray.wait(list(self.running), num_returns=1, timeout=self.left())
+        if not ready:
+            return None
+        node, source = self.running.pop(ready[0])
+        run = self.collect(ready[0], node, source)
+        self.runs[node] = run
+        return run
+
+    def collect(self, ref, node: str, source: str | None) -> NodeRun:
+        try:
+            out = self.ray.get(ref, timeout=max(1.0, self.left()))
+        except self.ray.exceptions.RayError as exc:
+            text = str(exc).strip()
+            return unreachable(node, f"the Ray task failed: {text.splitlines()[-1] if text else type(exc).__name__}", source)
+        stderr_lines = [line for line in out["stderr"].splitlines() if line.strip()]
+        error = stderr_lines[-1][:500] if stderr_lines else None
+        if out["timed_out"]:
+            return NodeRun(node, EXIT_CANNOT_RUN, "timed out", seconds=out["seconds"], source=source, host=out["host"],
+                           error=f"killed at the fleet deadline ({self.timeout:g}s)")
+        code = out["code"]
+        if code < 0 or code > EXIT_CANNOT_RUN:
+            error = f"stage {self.command} ended with {'signal ' + str(-code) if code < 0 else 'exit ' + str(code)}"
+            code = EXIT_CANNOT_RUN
+        try:
+            report = json.loads(out["stdout"]) if out["stdout"].strip() else None
+        except ValueError:
+            report, error = None, error or "the node-local command printed something other than JSON"
+        if not isinstance(report, dict):
+            report = None
+        problems = report.get("problems") if report else None
+        names = STATUS.get(self.command, STATUS["default"])
+        return NodeRun(
+            node, code, names[code], report=report, seconds=out["seconds"],
+            source=((report or {}).get("source") or source) if self.command == "mirror" else source,
+            host=out["host"], error=error if code != EXIT_OK else None,
+            bytes=(report or {}).get(BYTES_KEY[self.command]) if self.command in BYTES_KEY else None,
+            problems=len(problems) if isinstance(problems, list) else None)
+
+    def give_up(self) -> None:
+        """At the deadline: cancel what is still running (its command is killed on the node)."""
+        for ref, (node, source) in self.running.items():
+            self.ray.cancel(ref)
+            self.runs[node] = unreachable(node, f"no answer within {self.timeout:g}s", source)
+        self.running.clear()
+
+    def all_at_once(self, names: list[str]) -> dict[str, NodeRun]:
+        for node in self.present(names):
+            self.launch(node)
+        while self.wait_one():
+            pass
+        self.give_up()
+        return self.runs
