@@ -6,18 +6,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import DryRunOpt, JsonOpt, ManifestOpt, OptionalNodeOpt, QuietOpt, VerboseOpt, app
+from stager.cli.app import DryRunOpt, JsonOpt, LayerOpt, ManifestOpt, OptionalNodeOpt, QuietOpt, RankOpt, VerboseOpt, WorldOpt, app
 from stager.cli import terminal
 from stager.errors import StageError
 
 
 @app.command("pack-engram")
 def pack_engram(
-    rank: Annotated[Optional[list[int]], typer.Option(
-        "--rank", "-r", help="TP rank (repeatable) [default: nodes.X.ranks or nodes.X.rank, else every rank]")] = None,
+    rank: RankOpt = None,
     node: OptionalNodeOpt = None,
-    world: Annotated[Optional[int], typer.Option("--world", help="TP size [default: engram.world]")] = None,
-    layer: Annotated[Optional[list[int]], typer.Option("--layer", help="Only this layer (repeatable)")] = None,
+    world: WorldOpt = None,
+    layer: LayerOpt = None,
     from_nas: Annotated[bool, typer.Option("--from-nas", help="Read rows from the NAS if the model is not staged")] = False,
     dry_run: DryRunOpt = False,
     json: JsonOpt = False,

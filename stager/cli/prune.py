@@ -6,14 +6,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import JsonOpt, ManifestOpt, NodeOpt, app
+from stager.cli.app import DryRunOpt, JsonOpt, ManifestOpt, NodeOpt, QuietOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
 @app.command()
 def prune(
     node: NodeOpt,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be removed; remove nothing")] = False,
+    dry_run: DryRunOpt = False,
     until_free: Annotated[Optional[str], typer.Option(
         "--until-free", metavar="SIZE|reserve",
         help="Stop once SIZE is free on each of the node's filesystems ('reserve': once staging fits with the "
@@ -23,6 +23,8 @@ def prune(
         help="Remove only items of this kind (repeatable): temp, blob, shared-blob, revision, shard, unlisted-repo")] = None,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Give disk space back: interrupted temps, orphans, revisions and repos the manifest no longer wants, other-TP shards."""
     from stager import prune as core
@@ -31,6 +33,7 @@ def prune(
     if json:
         terminal.emit_json(report.to_json())
     else:
-        for line in core.text_lines(report):
-            terminal.report(line)
+        lines = core.text_lines(report)
+        for line in lines:
+            (terminal.note if line.startswith("note: ") else terminal.report)(line)
     raise typer.Exit(report.exit_code)
