@@ -60,9 +60,10 @@ def _copy_range(reader: LocalReader, out: AtomicFile, size: int, progress) -> bo
     return True
 
 
-class _Writer:
+class OffsetWriter:
     """Writes at explicit offsets: block-aligned pieces through an O_DIRECT descriptor of the temp
-    file (no page-cache copy, nothing to reclaim), the rest through the page cache."""
+    file (no page-cache copy, nothing to reclaim), the rest through the page cache. The copy
+    pipeline writes with it, and so does the fleet's broadcast with the chunks it receives."""
 
     def __init__(self, out: AtomicFile):
         self.out = out
@@ -118,7 +119,7 @@ def _pipeline(reader, out: AtomicFile, size: int, hasher, progress) -> None:
 
     thread = threading.Thread(target=read_loop, name="stage-read", daemon=True)
     thread.start()
-    writer = _Writer(out)
+    writer = OffsetWriter(out)
     written = flushed = 0
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="stage-hash") as hash_pool:

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import run_stage, sha256_file
 from hubgen import Hub, random_safetensors
-from remote_fixtures import SshServer, hub_tree, silent_port
+from remote_fixtures import SshServer, hub_tree, load_offline, silent_port
 from stager.fleet import LABEL
 
 FLASH = "acme/Flash-3bpw"
@@ -213,7 +213,7 @@ def staged(cluster, nas, sshd, tmp_path_factory) -> dict:
     nas_url = sshd.url(nas["hub"])
     manifest = fleet_manifest(root / "cluster.toml", nas, root, sshd, nas_hub=nas_url)
     before = sshd.bytes_read(nas["hub"])
-    result, _ = fleet("mirror", "--json", "--timeout", "120", "--manifest", manifest)
+    result, _ = fleet("mirror", "--json", "--transport", "nas", "--timeout", "120", "--manifest", manifest)
     return {"root": root, "manifest": manifest, "result": result, "nas_url": nas_url,
             "nas_bytes": sshd.bytes_read(nas["hub"]) - before}
 
@@ -234,6 +234,9 @@ def test_fleet_mirror_stages_every_node_from_one_command(staged, nas):
         assert run["bytes"] == data
         assert_staged_like_the_nas(staged["root"] / name / "hub", nas)
     assert report["copied_from"] == {staged["nas_url"]: 3 * data}
+    assert report["transport"] == "nas" and report["nas_bytes"] == 3 * data
+    assert all(run["transport"] == "nas" and run["nas_bytes"] == data and run["peer_bytes"] == 0
+               for run in report["nodes"].values())
     trees = [hub_tree(staged["root"] / name / "hub") for name in NODES]
     assert trees[0] == trees[1] == trees[2]
 
@@ -282,7 +285,8 @@ def test_a_node_silent_past_the_timeout_is_stopped_and_reported_in_the_table(sta
     result, elapsed = fleet("mirror", "--nodes", "dgx2", "--timeout", "8", "--manifest", manifest)
     assert result.code == 3 and elapsed < 30, (elapsed, result.stderr)
     table = result.stderr.splitlines()
-    assert table[0].split() == ["node", "status", "bytes", "seconds", "problems", "detail"]
+    assert table[0].split() == ["node", "status", "transport", "from", "NAS", "from", "peers", "seconds", "problems",
+                                "detail"]
     # The node answers just before the deadline that it stopped its command; a node that cannot
     # even say that is counted as unreachable.
     assert table[1].startswith("dgx2  timed out ") and table[1].endswith("killed at the fleet deadline (8s)") \
@@ -327,6 +331,57 @@ def test_fan_out_reads_each_byte_from_the_nas_once(staged, nas, sshd, tmp_path):
     assert plain_bytes >= 3 * data
     assert data <= fan_bytes <= data + 3 * files * (MiB + 64 * 1024)
     print(f"\nNAS bytes read staging 3 nodes of {data} bytes: {plain_bytes} without fan-out, {fan_bytes} with it")
+
+
+# ---- the broadcast --------------------------------------------------------------------------------
+
+# What a receiving node's checks may read back from the NAS per file, beyond the data: the sampled
+# check before the rename reads the samples twice (before, and fresh after), the closing mirror once.
+SAMPLE_READS = 3 * (MiB + 64 * 1024)
+
+
+def verify_full(manifest: Path, node: str):
+    result = run_stage("verify", "--full", "--node", node, "--json", "--manifest", manifest)
+    assert result.code == 0 and result.json["problems"] == [], (node, result.stdout, result.stderr)
+    return result.json
+
+
+@pytest.fixture(scope="module")
+def broadcast_run(cluster, staged, nas, sshd, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("broadcast")
+    manifest = fleet_manifest(root / "cluster.toml", nas, root, sshd, nas_hub=staged["nas_url"])
+    before = sshd.bytes_read(nas["hub"])
+    result, elapsed = fleet("mirror", "--json", "--timeout", "120", "--manifest", manifest)
+    return {"root": root, "manifest": manifest, "result": result, "seconds": elapsed,
+            "nas_bytes": sshd.bytes_read(nas["hub"]) - before}
+
+
+def test_broadcast_stages_every_node_reading_the_nas_once(broadcast_run, staged, nas):
+    result, root = broadcast_run["result"], broadcast_run["root"]
+    assert result.code == 0, result.stderr + result.stdout
+    report = result.json
+    data = staged["result"].json["nodes"]["dgx1"]["bytes"]
+    assert report["transport"] == "broadcast" and report["nas_bytes"] == data
+    nodes = report["nodes"]
+    # The head read every shared byte from the NAS, the others got all of theirs from peers.
+    assert (nodes["dgx1"]["nas_bytes"], nodes["dgx1"]["peer_bytes"]) == (data, 0)
+    for name in ("dgx2", "dgx3"):
+        assert (nodes[name]["nas_bytes"], nodes[name]["peer_bytes"]) == (0, data), nodes[name]
+    for name in NODES:
+        run = nodes[name]
+        assert run["fallbacks"] == [] and run["bad_senders"] == [] and run["refused_connections"] == []
+        assert run["report"]["copied_bytes"] == 0 and run["report"]["problems"] == []
+        assert run["report"]["verify"]["verified_against"] == staged["nas_url"]
+        hub = root / name / "hub"
+        assert_staged_like_the_nas(hub, nas)
+        assert hub_tree(hub) == hub_tree(staged["root"] / "dgx1" / "hub")
+        assert load_offline(hub)["repos"] == sorted([FLASH, DRAFTER])
+        verify_full(broadcast_run["manifest"], name)
+    # Bytes the NAS's own sftp-server read: the data once, plus each node's bounded sampled checks.
+    files = 4
+    assert data <= broadcast_run["nas_bytes"] <= data + 3 * files * SAMPLE_READS, broadcast_run["nas_bytes"]
+    print(f"\nbroadcast to 3 nodes of {data} bytes: NAS read {broadcast_run['nas_bytes']} bytes "
+          f"(every node reading it: {staged['nas_bytes']}), {broadcast_run['seconds']:.1f}s")
 
 
 def descendants(root_pid: int) -> set[int]:
