@@ -14,7 +14,9 @@ that is the transport's, and a transport never decides what a node needs.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -44,6 +46,20 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     options = verify_options(command, full, subset)
     ray = import_ray()
     started = time.monotonic()
+    # Ray prints what its raylets report (a worker killed, ...) on this process's stdout, where
+    # --json promises one object: while Ray is up, whatever it prints goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        address, auth, runs, delivered = _run(ray, manifest, command, names, transport, port_range, options,
+                                              started, timeout, allow_unauthenticated)
+    if transport is not None:
+        runs = {name: with_delivery(manifest, runs[name], transport, delivered.get(name)) for name in names}
+    return FleetReport(command, tuple(runs[name] for name in names), time.monotonic() - started,
+                       transport == "sftp", address, auth, transport)
+
+
+def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str | None,
+         port_range: tuple[int, int] | None, options: tuple[str, ...], started: float, timeout: float,
+         allow_unauthenticated: bool):
     address, auth = connect(ray, min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
     delivered: dict[str, dict] = {}
     try:
@@ -60,10 +76,7 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
             runs = driver.all_at_once(names)
     finally:
         ray.shutdown()
-    if transport is not None:
-        runs = {name: with_delivery(manifest, runs[name], transport, delivered.get(name)) for name in names}
-    return FleetReport(command, tuple(runs[name] for name in names), time.monotonic() - started,
-                       transport == "sftp", address, auth, transport)
+    return address, auth, runs, delivered
 
 
 def choose_transport(manifest: Manifest, command: str, names: list[str], fan_out: bool,
