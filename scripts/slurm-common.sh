@@ -52,6 +52,20 @@ finish() {
   exit "$rc"
 }
 
+# skip_absent_node: end the script with 0 when the first stage command said the manifest does not
+# list this node. Prolog= and Epilog= run on every node of a cluster, also on those that serve no
+# model; both once drained such a node (exit 2), and the epilog then "repaired" it. The manifest
+# is read whole before the node is looked up, so this error means a valid manifest without this
+# node; the command stopped there, before it wrote or read anything else.
+skip_absent_node() {
+  [ "$rc" -eq 2 ] || return 0
+  case $error in
+    *": nodes.$STAGE_NODE: no such node "*)
+      say "job ${SLURM_JOB_ID:-?} on $STAGE_NODE: not in $STAGE_MANIFEST, nothing to stage"
+      exit 0 ;;
+  esac
+}
+
 # run_stage ARGS...: run stage; $rc is its exit code, $error one line on what went wrong: its
 # error line, else (problems found) its summary and first problem, from the report on stdout.
 run_stage() {

@@ -15,6 +15,7 @@ import itertools
 import os
 import re
 import secrets
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -281,14 +282,23 @@ def ensure_real_dir(directory: Path) -> Path:
 
 
 def open_for_write(path: Path, flags: int, mode: int = 0o644) -> int:
-    """os.open for writing that never follows a link at `path` (a planted one fails with exit 3)."""
+    """os.open for writing a regular file that never follows a link at `path` and never blocks on
+    a FIFO there (either fails with exit 3, naming the path): opened without O_NONBLOCK, a FIFO
+    with no reader waits for ever."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CannotRun(f"{path} is a symlink; refusing to write through it") from None
+        if exc.errno == errno.ENXIO:  # a FIFO that nobody reads
+            raise CannotRun(f"{path} is not a regular file; refusing to write to it") from None
         raise_if_disk_full(exc, path)
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CannotRun(f"{path} is not a regular file; refusing to write to it")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def sweep_temps(directory: Path) -> list[Path]:

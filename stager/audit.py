@@ -1,8 +1,9 @@
 """`stage audit --node NAME`: will the node's staging fit, and what could be reclaimed? Made for cron.
 
 Exit codes follow the Nagios plugin convention, because monitoring wires this command in:
-0 OK, 1 WARNING (less than 2x reserve would remain after staging), 2 CRITICAL (needed + reserve
-does not fit), 3 UNKNOWN (a path cannot be read, the NAS cannot be walked, the manifest is bad).
+0 OK, 1 WARNING (less than 2x reserve would remain after staging, or a pending NAS revision idle
+for longer than nas.pending_warn_after), 2 CRITICAL (needed + reserve does not fit), 3 UNKNOWN
+(a path cannot be read, the NAS cannot be walked, the manifest is bad).
 Each filesystem under nodes.X.hub and nodes.X.engram_dir is judged on its own (one that holds
 both is counted once); the node's status is the worst of them.
 
@@ -38,7 +39,7 @@ from stager import __version__
 from stager.atomic import atomic_write_bytes, is_temp_name
 from stager.errors import StageError, describe_os_error
 from stager.fingerprint import Verdict
-from stager.hub import MAX_HOPS, Problem, repo_dir_name
+from stager.hub import MAX_HOPS, Pending, Problem, format_duration, repo_dir_name
 from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, HUB_LOCK, PROC_LOCKS, LockTable
 from stager.manifest import Manifest, load_manifest
 from stager.mirror import node_job, walk
@@ -141,6 +142,8 @@ class AuditReport:
     live_temps: list[Orphan] = field(default_factory=list)  # old-looking temp files a writer may still own
     problems: list[Problem] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # why the answer cannot be trusted
+    pending: list[Pending] = field(default_factory=list)  # NAS revisions still downloading; the node stays put
+    pending_warn_after: int = 6 * 3600  # nas.pending_warn_after: idle longer than this is a WARNING
     seconds: float = 0.0
     finished_at: float = 0.0
     prom: str | None = None
@@ -149,7 +152,14 @@ class AuditReport:
     def status(self) -> int:
         if self.unknown:
             return UNKNOWN
-        return max((fs.status for fs in self.filesystems), default=OK)
+        # A download killed for good on the NAS would otherwise leave every node on its old
+        # revision, healthy by every exit code, for ever.
+        stalled = WARNING if self.overdue else OK
+        return max([stalled, *(fs.status for fs in self.filesystems)])
+
+    @property
+    def overdue(self) -> list[Pending]:
+        return [p for p in self.pending if p.idle_seconds > self.pending_warn_after]
 
     @property
     def reclaimable(self) -> list[Orphan]:
@@ -161,12 +171,22 @@ class AuditReport:
         if self.unknown:
             return "; ".join(shown(why) for why in self.unknown)
         worst = [fs for fs in self.filesystems if fs.status == self.status] or self.filesystems
-        reason = "; ".join(fs.why() for fs in worst) or "nothing to check"
+        reason = "; ".join([*(self.pending_why(p) for p in self.overdue),
+                            *(fs.why() for fs in worst),
+                            *(self.pending_why(p) for p in self.pending if p not in self.overdue)]) or "nothing to check"
         top = self.reclaimable
         if self.status != OK and top:
             total = sum(o.bytes for o in self.orphans + self.unlisted)
             reason += f"; reclaimable {format_size(total)}, largest {shown(top[0].path)} ({format_size(top[0].bytes)})"
         return reason
+
+    def pending_why(self, item: Pending) -> str:
+        limit = format_duration(self.pending_warn_after)
+        why = (f"{shown(item.repo_id)} {shown(item.revision)}: the NAS's {item.commit[:12]} is incomplete, "
+               f"no progress for {format_duration(item.idle_seconds)}; the node stays on {item.serving[:12]}")
+        if item.idle_seconds > self.pending_warn_after:
+            return why + f" (over nas.pending_warn_after {limit}: finish or remove that download on the NAS)"
+        return why
 
     @property
     def succeeded(self) -> bool:
@@ -203,6 +223,8 @@ class AuditReport:
             "reclaimable": [o.to_json() for o in self.reclaimable],
             "reclaimable_bytes": sum(o.bytes for o in self.orphans + self.unlisted),
             "problems": [p.to_json() for p in self.problems],
+            "pending": [{**p.to_json(), "overdue": p.idle_seconds > self.pending_warn_after} for p in self.pending],
+            "pending_warn_after_seconds": self.pending_warn_after,
             "estimate": "size-only",
             "prom": self.prom,
             "seconds": round(self.seconds, 3),
@@ -216,6 +238,7 @@ def model_needs(manifest: Manifest, node: str, report: AuditReport) -> list[Need
     """The mirror's walk and plan, over size-only local states (see the module doc)."""
     job = node_job(manifest, node, None, jobs=1, seed=0)
     snapshots = walk(job)
+    report.pending = [snap.pending for snap in snapshots if snap.pending]
     for snap in snapshots:
         report.problems.extend(snap.problems)
         for problem in snap.problems:
@@ -502,6 +525,7 @@ def audit_node(manifest: Manifest, node: str, report: AuditReport) -> None:
     """Fill `report`. Each part that fails makes the report UNKNOWN and names why; the rest still runs."""
     config = manifest.node(node)
     report.reserve = config.reserve
+    report.pending_warn_after = manifest.nas.pending_warn_after
     roots = [config.hub] + ([config.engram_dir] if config.engram_dir else [])
 
     def guarded(what: str, step):
@@ -631,6 +655,9 @@ def prom_text(report: AuditReport, last_success: float | None = None) -> str:
           [({"node": node, "kind": kind}, sum(o.bytes for o in report.orphans if o.kind == kind)) for kind in ORPHAN_KINDS])
     gauge("stage_orphan_files", "Number of orphans of a kind.",
           [({"node": node, "kind": kind}, sum(1 for o in report.orphans if o.kind == kind)) for kind in ORPHAN_KINDS])
+    gauge("stage_pending_idle_seconds", "Seconds a NAS download of the revision a model's ref names has shown no "
+          "progress, while the node stays on the revision it serves.",
+          [({"node": node, "model": p.repo_id, "revision": p.revision}, p.idle_seconds) for p in report.pending])
     gauge("stage_reclaimable_bytes", f"The {TOP_RECLAIMABLE} largest reclaimable items.",
           [({"node": node, "path": o.path, "kind": o.kind}, o.bytes) for o in report.reclaimable])
     return "\n".join(out) + "\n"
@@ -657,6 +684,8 @@ def details(report: AuditReport) -> list[str]:
         lines.extend(f"  {format_size(o.bytes):>11}  {shown(o.path)} ({o.kind})" for o in report.reclaimable)
     for problem in report.problems:
         lines.append(f"  {problem.kind:<16} {shown(problem.path)}: {shown(problem.detail)}")
+    for item in report.pending:
+        lines.append(f"  {'pending':<16} {report.pending_why(item)}")
     return lines
 
 

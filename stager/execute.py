@@ -9,6 +9,7 @@ is whole, so a client never resolves a revision into a half-staged snapshot.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import posixpath
 import threading
@@ -24,9 +25,12 @@ from stager.fingerprint import Digest, Verdict, judge, new_hasher, sampled_diges
 from stager.hub import SHARED_STORE, Problem
 from stager.observe import DigestCache
 from stager.plan import CopyFile, MakeLink, Plan, kept_hops
+from stager.small_files import read_regular_head
+from stager.units import format_size
 from stager.verify import NAS_FILE_BAD, check_local_chain
 from stager.workers import worker_pool
 
+log = logging.getLogger(__name__)  # `stage -v`: a line per file written (see cli/terminal.py)
 
 # Below this size a file's fsync (a journal commit, ~3 ms here) costs more than its bytes: such
 # files are made durable in batches of BATCH_FILES with one syncfs (see atomic.SyncBatch).
@@ -87,6 +91,8 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
         with tally.lock:
             tally.files += 1
             tally.bytes += copy.size
+        if log.isEnabledFor(logging.INFO):  # not a path built per file of a 100k-file run for nothing
+            log.info("copied %s (%s): %s", inside(local_hub, copy.dest), format_size(copy.size), copy.reason)
         if small and len(batch) >= BATCH_FILES:
             batch.commit()  # outside the per-file handler: a failed sync fails the run, not one file
 
@@ -159,10 +165,13 @@ def _first_break(snap, local_hub: Path, failed: frozenset[str]) -> str | None:
 
 
 def _current_commit(ref: Path) -> str:
+    # Never a blocking read: a FIFO at the node's ref hung the mirror while it built this message.
     try:
-        return ref.read_text(encoding="ascii", errors="replace").strip() or "nothing"
-    except OSError:
+        return read_regular_head(ref, 128).decode("ascii", errors="replace").strip() or "nothing"
+    except FileNotFoundError:
         return "nothing"
+    except OSError as exc:
+        return f"an unreadable ref ({exc.strerror})"
 
 
 def writable_dir(local_hub: Path, rel_dir: str, never_write: tuple[str, ...] = ()) -> Path:

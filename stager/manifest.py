@@ -21,7 +21,7 @@ from typing import Callable
 from stager import identity
 from stager.errors import BadInput
 from stager.small_files import read_regular
-from stager.units import parse_size
+from stager.units import parse_duration, parse_size
 
 DEFAULT_MANIFEST = Path("manifests/cluster.toml")
 MANIFEST_ENV = "STAGE_MANIFEST"
@@ -163,6 +163,10 @@ def _byte_size(value: object) -> int:
     return parse_size(value)  # type: ignore[arg-type]  # it refuses floats and booleans itself
 
 
+def _duration(value: object) -> int:
+    return parse_duration(value)  # type: ignore[arg-type]  # it refuses floats and booleans itself
+
+
 def _aliases(value: object) -> dict[str, str]:
     aliases = _table_of(_text)(value)
     for prefix, target in aliases.items():
@@ -206,6 +210,8 @@ def _repo_ids(read_models: Callable) -> Callable[[object], dict]:
 class NasConfig:
     hub: str = _key(_text)  # the NAS's Hugging Face hub cache: a path, or an sftp:// URL
     aliases: dict[str, str] = _key(_aliases, {})  # absolute link targets on the NAS host -> their path here
+    # How long a download the NAS's ref names may show no progress before the audit warns (hub.Pending).
+    pending_warn_after: int = _key(_duration, 6 * 3600)
 
 
 @dataclass(frozen=True)

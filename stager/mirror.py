@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import shutil
@@ -14,7 +15,7 @@ from typing import Callable, Iterator
 from stager import hints
 from stager.errors import BadInput, CannotRun
 from stager.execute import execute, publish_refs
-from stager.hub import ExcludeError, Problem, RepoSnapshot, require_hub, walk_repo
+from stager.hub import ExcludeError, Pending, Problem, RepoSnapshot, require_hub, walk_for_node
 from stager.lock import HUB_LOCK, LockTable, writer_lock
 from stager.manifest import Manifest
 from stager.observe import DigestCache, observe
@@ -24,6 +25,7 @@ from stager.sources.base import Source
 from stager.units import format_size
 from stager.verify import NAS_FILE_BAD, Subset, VerifyReport, verify_snapshots
 
+log = logging.getLogger(__name__)  # `stage -vv`: what the run decided, step by step
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class MirrorReport:
     source: str = ""
     verify: VerifyReport | None = None
     would_copy: list[dict] = field(default_factory=list)  # --dry-run: {path, source, bytes, reason} per copy
+    pending: list[Pending] = field(default_factory=list)  # NAS revisions still downloading; the node stays put
 
     def to_json(self) -> dict:
         return {
@@ -71,6 +74,7 @@ class MirrorReport:
             "source": self.source,
             "verify": self.verify.to_json() if self.verify else None,
             "would_copy": self.would_copy,
+            "pending": [p.to_json() for p in self.pending],
         }
 
 
@@ -106,7 +110,7 @@ def walk(job: NodeJob, source: Source | None = None) -> list[RepoSnapshot]:
     snapshots = []
     for repo_id, revision, exclude in job.models:
         try:
-            snapshots.append(walk_repo(source, repo_id, revision, list(exclude)))
+            snapshots.append(walk_for_node(source, job.local_hub, repo_id, revision, list(exclude)))
         except ExcludeError as exc:
             raise BadInput(f"{job.manifest}: models.\"{repo_id}\".exclude: {exc}") from None
     return snapshots
@@ -147,14 +151,17 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
     if dry_run:
         plan = make_plan(snapshots, observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs).local
                          if job.local_hub.exists() else {}, {})
-        return _summarize(report, plan, started)
+        return _summarize(report, plan, snapshots, started)
     with _hub_lock(job, wait) as (writable, waited):
         if waited:  # time has passed, and the NAS's refs may have moved: stage what they name now
             snapshots = walk(job)
         seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs,
                        sources=job.never_write, progress_factory=progress_factory)
         plan = make_plan(snapshots, seen.local, seen.meta_content, str(job.local_hub))
-        _summarize(report, plan, started)
+        log.debug("plan: %d copies (%s), %d links, %d metadata files, %d refs, %d problems", len(plan.copies),
+                  format_size(plan.bytes_to_copy), len(plan.links), len(plan.metadata), len(plan.refs),
+                  len(plan.problems))
+        _summarize(report, plan, snapshots, started)
         if not writable and plan.writes:
             raise CannotRun(f"node hub {job.local_hub} is on a read-only filesystem and {plan.writes} "
                             "files need writing")
@@ -194,6 +201,7 @@ def _hub_lock(job: NodeJob, wait: float) -> Iterator[tuple[bool, bool]]:
     except OSError as exc:
         raise CannotRun(f"node hub {job.local_hub} cannot be created: {exc.strerror}") from None
     with writer_lock(job.local_hub / HUB_LOCK, f"local hub {job.local_hub}", wait=wait) as waited:
+        log.debug("holding the writer lock %s%s", job.local_hub / HUB_LOCK, " after waiting" if waited else "")
         yield True, waited
 
 
@@ -208,7 +216,8 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def _summarize(report: MirrorReport, plan: Plan, started: float) -> MirrorReport:
+def _summarize(report: MirrorReport, plan: Plan, snapshots: list[RepoSnapshot], started: float) -> MirrorReport:
+    report.pending = [s.pending for s in snapshots if s.pending]
     report.entries = plan.entries
     report.excluded = list(plan.excluded)
     report.problems = list(plan.problems)
@@ -231,6 +240,7 @@ def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source
     report = verify_snapshots(reference, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs,
                               sources=job.never_write, progress_factory=progress_factory)
     report.problems[:0] = [p for s in snapshots for p in s.problems]
+    report.pending = [s.pending for s in snapshots if s.pending]
     report.against = reference.url
     if any(_mirror_repairs(p, job.local_hub) for p in report.problems):
         report.repairs.append(hints.command("mirror", "--node", job.node, *(["--full"] if full else [])))

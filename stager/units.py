@@ -1,4 +1,4 @@
-"""Byte sizes as operators write them ("20GiB") and as reports print them."""
+"""Byte sizes and durations as operators write them ("20GiB", "6h") and as reports print them."""
 
 from __future__ import annotations
 
@@ -35,6 +35,27 @@ def parse_size(text: str | int) -> int:
     if unit == 1 and "." in match.group(1):
         raise ValueError(f"expected a whole number of bytes, got {text!r}")
     return int(float(match.group(1)) * unit)
+
+
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhd]?)\s*$")
+
+
+def parse_duration(text: str | int) -> int:
+    """Parse "6h", "90m", "2d", "45s" or a whole number of seconds into seconds. Raises ValueError.
+
+    Whole units only: a duration is a threshold an operator compares with log times, and a
+    fraction ("1.5h") or a float (`= 1e999`, nan) has no exact meaning there."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ValueError(f"expected a duration like '6h', '90m' or a whole number of seconds, got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError("a duration cannot be negative")
+        return text
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"expected a duration like '6h', '90m', '2d' or '45s', got {text!r}")
+    return int(match.group(1)) * _SECONDS[match.group(2)]
 
 
 def format_size(n: int) -> str:

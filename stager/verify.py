@@ -8,6 +8,7 @@ reference hash (full).  Results are typed problems; the CLI picks the exit code.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import stat
 from dataclasses import dataclass, field
@@ -18,12 +19,14 @@ import xxhash
 
 from stager import identity
 from stager.fingerprint import Verdict, judge, reference_for
-from stager.hub import Entry, Problem, RepoSnapshot
+from stager.hub import Entry, Pending, Problem, RepoSnapshot
 from stager.observe import META_LIMIT, DigestCache, expected_digest, local_digest
 from stager.plan import kept_hops
 from stager.small_files import read_regular
 from stager.workers import worker_pool
 
+
+log = logging.getLogger(__name__)  # `stage -v`: a line per file whose content was checked
 
 # How a problem says the NAS's own copy is wrong (shared with the mirror): no mirror can repair it.
 NAS_FILE_BAD = "the NAS file is bad and mirroring again cannot fix it; download it again on the NAS"
@@ -69,6 +72,7 @@ class VerifyReport:
     subset: str | None = None
     against: str | None = None  # the source the content was compared with: the NAS, or a peer
     notes: list[str] = field(default_factory=list)  # what the operator should know to read the result
+    pending: list[Pending] = field(default_factory=list)  # NAS revisions still downloading; the node stays put
 
     def count(self, kind: str) -> int:
         return sum(1 for p in self.problems if p.kind == kind)
@@ -83,6 +87,7 @@ class VerifyReport:
         self.reread.extend(other.reread)
         self.repairs.extend(r for r in other.repairs if r not in self.repairs)
         self.notes.extend(other.notes)
+        self.pending.extend(other.pending)
 
     def to_json(self) -> dict:
         return {
@@ -104,6 +109,7 @@ class VerifyReport:
             "repair": self.repairs,
             "verified_against": self.against,
             "notes": self.notes,
+            "pending": [p.to_json() for p in self.pending],
         }
 
 
@@ -187,6 +193,8 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
                 report.problems.append(problem)
             else:
                 report.ok += 1
+                if log.isEnabledFor(logging.INFO):
+                    log.info("ok %s (%s)", local_hub / entry.rel, report.mode)
             if reread:
                 report.reread.append(str(local_hub / entry.rel))
     return report
@@ -257,7 +265,7 @@ def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyR
 
 def _drop_cache(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)  # a FIFO never blocks
     except OSError:
         return
     try:

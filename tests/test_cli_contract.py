@@ -642,3 +642,99 @@ def test_verify_while_a_mirror_writes_says_so(big_nas, tmp_path):
     assert f"note: a stage mirror (pid {mirror.pid})" in text.stderr and "note:" not in text.stdout
     after = json.loads(stage("verify", "--node", "dgx1", "--json", "--manifest", manifest).stdout)
     assert after["notes"] == [] and not [p for p in after["problems"] if p["path"].startswith(f"{hub}/")], after
+
+
+# ---- 9. the shell contract: -q/-v, -n, repeated options, help ------------------------------------------
+
+def click_app():
+    """The whole `stage` app as click sees it, every command present and future."""
+    import typer
+
+    from stager.cli import app
+
+    return typer.main.get_command(app)
+
+
+def every_command() -> dict:
+    return dict(click_app().commands)
+
+
+def test_every_command_takes_quiet_and_verbose_and_none_takes_n_for_node():
+    for name, command in every_command().items():
+        usage = stage(name, "-h").stdout
+        assert "-q, --quiet" in usage and "-v, --verbose" in usage, (name, usage)
+        node = [p for p in command.params if "--node" in getattr(p, "opts", ())]
+        assert all(p.opts == ["--node"] and not p.secondary_opts for p in node), (name, [p.opts for p in node])
+        dry = [p for p in command.params if "--dry-run" in getattr(p, "opts", ())]
+        assert all(sorted(p.opts) == ["--dry-run", "-n"] for p in dry), (name, [p.opts for p in dry])
+
+
+def test_quiet_keeps_the_result_and_errors_verbose_names_each_file(tmp_path):
+    make_demo(tmp_path)
+    rel = "demo/cluster.toml"
+    hub = tmp_path / "demo" / "nvme" / "hf" / "hub"
+    loud = stage("mirror", "--node", "dgx1", "-vv", "--manifest", rel, cwd=tmp_path)
+    assert loud.returncode == 0, loud.stderr
+    copied = [line.split(" (")[0].removeprefix("copied ") for line in loud.stderr.splitlines()
+              if line.startswith("copied ")]
+    assert len(copied) == 9 and all(Path(p).is_file() and p.startswith(f"{hub}/") for p in copied), loud.stderr
+    assert re.search(r"^plan: 9 copies \(", loud.stderr, flags=re.M), loud.stderr  # -vv: the debug detail
+    normal = stage("binds", "--node", "dgx1", "--manifest", rel, cwd=tmp_path)
+    quiet = stage("binds", "--node", "dgx1", "--quiet", "--manifest", rel, cwd=tmp_path)
+    assert normal.stderr and quiet.stderr == "" and quiet.stdout == normal.stdout and quiet.returncode == 0
+    audit_quiet = stage("audit", "--node", "dgx1", "-q", "--manifest", rel, cwd=tmp_path)
+    assert audit_quiet.stderr == "" and audit_quiet.stdout.startswith("STAGE OK"), audit_quiet
+    error = stage("verify", "--node", "dgx9", "-q", "--manifest", rel, cwd=tmp_path)
+    assert error.returncode == 2 and error.stderr.startswith("stage: error: ") and "dgx9" in error.stderr
+    both = stage("verify", "--node", "dgx1", "-q", "-v", "--manifest", rel, cwd=tmp_path)
+    assert both.returncode == 2 and both.stderr.count("\n") == 1 and "--quiet" in both.stderr
+
+
+def test_n_is_a_dry_run_and_never_a_node(tmp_path):
+    make_demo(tmp_path)
+    rel = "demo/cluster.toml"
+    dry = stage("mirror", "--node", "dgx1", "-n", "--manifest", rel, cwd=tmp_path)
+    assert dry.returncode == 0 and dry.stdout.splitlines()[-1].startswith("dgx1: would copy 9 files"), dry.stdout
+    assert not (tmp_path / "demo" / "nvme").exists()
+    for args in (["mirror", "-n", "dgx1"], ["verify", "-n", "dgx1"], ["audit", "-n", "dgx1"]):
+        old = stage(*args, "--manifest", rel, cwd=tmp_path)
+        assert old.returncode == 2, (args, old.stdout, old.stderr)
+    assert not (tmp_path / "demo" / "nvme").exists()
+
+
+def single_valued_options(command) -> list[str]:
+    return [max(p.opts, key=len) for p in command.params if p.param_type_name == "option"
+            and not p.multiple and not p.count and not p.is_flag]
+
+
+def test_a_repeated_single_valued_option_is_exit_2_naming_it(tmp_path):
+    """Every command, every option that takes one value: given twice it is refused before anything
+    runs, in one line naming it (click kept the last one: `--node a --node b` staged b)."""
+    make_demo(tmp_path)
+    rel = "demo/cluster.toml"
+    tried = 0
+    for name, command in every_command().items():
+        for option in single_valued_options(command):
+            result = stage(name, option, "1", option, "1", "--json", cwd=tmp_path)
+            lines = result.stderr.splitlines()
+            assert result.returncode == 2 and len(lines) == 1, (name, option, result.stderr)
+            assert lines[0].startswith("stage: error: ") and option in lines[0], (name, option, lines)
+            assert json.loads(result.stdout)["exit_code"] == 2
+            tried += 1
+    assert tried >= 15
+    twice = stage("mirror", "--node", "dgx1", "-m", rel, "--manifest", rel, cwd=tmp_path)
+    assert twice.returncode == 2 and "-m/--manifest given more than once" in twice.stderr, twice.stderr
+    assert not (tmp_path / "demo" / "nvme").exists()
+    # Repeatable options and flags still repeat.
+    models = stage("mirror", "--node", "dgx1", "--model", "acme/Flash-3bpw", "--model", "acme/Flash-drafter",
+                   "--dry-run", "--dry-run", "--manifest", rel, cwd=tmp_path)
+    assert models.returncode == 0, models.stderr
+
+
+def test_help_shows_every_command_description_whole():
+    usage = stage("-h").stdout
+    assert "..." not in usage.split("Commands:")[1], usage
+    flat = " ".join(usage.split())
+    for name, command in every_command().items():
+        first = " ".join(command.help.split("\n\n")[0].split())
+        assert f"{name} {first}" in flat, (name, first, usage)

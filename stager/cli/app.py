@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from stager import hints
-from stager.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN, StageError, describe_os_error
+from stager.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN, BadInput, StageError, describe_os_error
 
 _HELP_NAMES = ["-h", "--help"]
 
@@ -43,9 +43,18 @@ ManifestOpt = Annotated[
     typer.Option("--manifest", "-m", metavar="PATH", callback=_remember_manifest,
                  help="Manifest path [default: $STAGE_MANIFEST or manifests/cluster.toml]"),
 ]
-NodeOpt = Annotated[str, typer.Option("--node", "-n", metavar="NAME", help="Node name from the manifest's [nodes] table")]
-OptionalNodeOpt = Annotated[Optional[str], typer.Option("--node", "-n", metavar="NAME",
+# `--node` has no short form: `-n` is a dry run, as in rsync and rclone, so an old `-n NAME` fails
+# with exit 2 (an unexpected argument, or no such option) instead of naming a node.
+NodeOpt = Annotated[str, typer.Option("--node", metavar="NAME", help="Node name from the manifest's [nodes] table")]
+OptionalNodeOpt = Annotated[Optional[str], typer.Option("--node", metavar="NAME",
                                                         help="Node name from the manifest's [nodes] table")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n", help="List what would be done and why; change nothing")]
+# Every command takes both (tests/test_cli_contract.py checks): the level is read from the parsed
+# command line before the command runs (see _shell_contract), so the commands never see them.
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", expose_value=False,
+                                        help="Only the result and errors: no progress bar, no notes")]
+VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, expose_value=False, show_default=False,
+                                         help="A stderr line per file acted on; -vv adds debug detail")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout, errors included")]
 FullOpt = Annotated[bool, typer.Option("--full", help="Hash every byte against the strongest reference")]
 JobsOpt = Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, max=64, metavar="N",
@@ -116,6 +125,8 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
         command = typer.main.get_command(_app_for(argv))
         _word_placeholders(command)
         _plain_conversions(command)
+        for sub in _commands(command):
+            _shell_contract(sub)
         result = command.main(args=argv, prog_name="stage", standalone_mode=False)
         return (result if isinstance(result, int) else 0), None, None
     except Signalled as exc:
@@ -178,6 +189,54 @@ def _stdout_closed_under_typer() -> bool:
     """typer answers a BrokenPipeError it sees with sys.exit(1) ("problems found") after wrapping
     stdout in click's PacifyFlushWrapper; that wrapper is how the closed pipe is recognised."""
     return type(sys.stdout).__name__ == "PacifyFlushWrapper"
+
+
+def _commands(command) -> list:
+    """Every command below the app, groups' commands included."""
+    found = []
+    for sub in getattr(command, "commands", {}).values():
+        found.append(sub)
+        found.extend(_commands(sub))
+    return found
+
+
+def _shell_contract(command) -> None:
+    """What every command has, present and future, without each one repeating it: a refusal of a
+    repeated single-valued option, `-q`/`-v` read before it runs, and its whole description in
+    `stage -h`."""
+    # click cuts a command's description at 45 characters with "..." in the group's list.
+    if command.help and not command.short_help:
+        command.short_help = " ".join(command.help.split("\n\n")[0].split())
+    parse = command.parse_args
+
+    def parse_args(ctx, args):
+        # click keeps the last of `--node a --node b` without a word; and the level is needed
+        # before the command runs. One parse more of a short argv costs microseconds.
+        _opts, _rest, order = command.make_parser(ctx).parse_args(args=list(args))
+        _refuse_repeats(order)
+        quiet = sum(1 for param in order if param.name == "quiet")
+        verbose = sum(1 for param in order if param.name == "verbose")
+        if quiet and verbose:
+            raise BadInput("-q/--quiet and -v/--verbose contradict each other: give one of them")
+        from stager.cli import terminal
+
+        terminal.set_verbosity(-1 if quiet else verbose)
+        return parse(ctx, args)
+
+    command.parse_args = parse_args
+
+
+def _refuse_repeats(order: list) -> None:
+    """Exit 2 when an option that takes one value is given more than once: `--node a --node b`
+    staged b, silently. Repeatable options (`--model`, `--rank`) and flags may repeat."""
+    seen: set[int] = set()
+    for param in order:
+        single = param.param_type_name == "option" and not param.multiple and not param.count \
+            and not param.is_flag
+        if single and id(param) in seen:
+            names = "/".join(sorted(param.opts, key=len))
+            raise BadInput(f"{names} given more than once: it takes one value")
+        seen.add(id(param))
 
 
 # Typer names a value after its Python type ("<str>", "<list[int]>", "<int range>"); operators

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from stager.cli.app import JsonOpt, ManifestOpt, app
+from stager.cli.app import JsonOpt, ManifestOpt, QuietOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -15,6 +15,8 @@ def archive(
     paths: Annotated[list[str], typer.Argument(metavar="SRC... DEST", help="Files or directories, then the archive directory")],
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Copy SRC files to DEST, hash both sides, record SHA256SUMS and MOVED.txt, then delete the sources.
 

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import JsonOpt, ManifestOpt, NodeOpt, app
+from stager.cli.app import JsonOpt, ManifestOpt, NodeOpt, QuietOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -16,6 +16,8 @@ def audit(
     prom: Annotated[Optional[str], typer.Option("--prom", help="Also write a node_exporter textfile (atomically)")] = None,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Will staging fit? Free space, bytes still needed, orphans. Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN."""
     from stager import audit as core
@@ -25,6 +27,6 @@ def audit(
         terminal.emit_json(report.to_json())
     else:
         for line in core.details(report):
-            terminal.say(line)
+            terminal.note(line)
         typer.echo(report.status_line())
     raise typer.Exit(report.status)

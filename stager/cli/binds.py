@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import JsonOpt, ManifestOpt, NodeOpt, app
+from stager.cli.app import JsonOpt, ManifestOpt, NodeOpt, QuietOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -19,6 +19,8 @@ def binds(
     container_hub: Annotated[Optional[str], typer.Option(
         "--container-hub", metavar="PATH", help="HF_HUB_CACHE inside the container [default: the node's hub path]")] = None,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Print the bind mounts that give a container the node's models, staged files first."""
     from stager import binds as core
@@ -34,7 +36,7 @@ def binds(
         # stdout is `docker run $(stage binds ...)` input: only -v arguments there, the rest on stderr.
         for bind in result.binds:
             terminal.report(bind.docker())
-        terminal.say(f"{node}: {terminal.count(len(result.binds), 'bind')}, {terminal.count(result.local, 'file')} "
+        terminal.note(f"{node}: {terminal.count(len(result.binds), 'bind')}, {terminal.count(result.local, 'file')} "
                      f"local, {result.nas_fallback} from the NAS; set HF_HUB_CACHE={result.container_hub} in the container")
         terminal.print_problems(result.problems)
     terminal.exit_with(result.problems)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, app
+from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, QuietOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -35,6 +35,8 @@ def fleet(
         help="Run on a Ray cluster that accepts requests without a token (anyone who reaches it runs code)")] = False,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Run a command on every node as Ray tasks; one table (or JSON object); exit code = worst node's."""
     from stager import fleet as core

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, SeedOpt, app
+from stager.cli.app import DryRunOpt, FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, QuietOpt, SeedOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -14,7 +14,7 @@ from stager.cli import terminal
 def mirror(
     node: NodeOpt,
     model: Annotated[Optional[list[str]], typer.Option("--model", metavar="REPO", help="Only this repo (repeatable)")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be copied and why; write nothing")] = False,
+    dry_run: DryRunOpt = False,
     full: FullOpt = False,
     jobs: JobsOpt = None,
     json: JsonOpt = False,
@@ -27,6 +27,8 @@ def mirror(
         "--wait", metavar="SECONDS", min=0, help="When another stage process holds the node hub, wait up to "
                                                  "SECONDS for it instead of exiting 3 at once")] = 0,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Mirror the node's models into its local hub, then verify them."""
     from stager import mirror as core
@@ -47,4 +49,5 @@ def mirror(
                         f"{len(report.excluded)} excluded, {terminal.count(len(report.problems), 'problem')} "
                         f"in {report.seconds:.1f}s")
         terminal.print_problems(report.problems, to_stdout=True)
+        terminal.print_pending(report.pending)
     terminal.exit_with(report.problems)

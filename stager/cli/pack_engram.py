@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import JsonOpt, ManifestOpt, OptionalNodeOpt, app
+from stager.cli.app import JsonOpt, ManifestOpt, OptionalNodeOpt, QuietOpt, VerboseOpt, app
 from stager.cli import terminal
 from stager.errors import StageError
 
@@ -21,6 +21,8 @@ def pack_engram(
     from_nas: Annotated[bool, typer.Option("--from-nas", help="Read rows from the NAS if the model is not staged")] = False,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Write engram-l{L}-r{R}of{TP}.bin shards for every rank of the node in one pass over each table,
     their receipts and SHA256SUMS; skip shards that match."""

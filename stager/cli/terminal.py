@@ -22,6 +22,28 @@ from stager.units import format_size
 
 _json_emitted = False
 
+# How much goes to stderr beside the result (docs/design.md §7, "Verbosity"):
+# -1 (-q) errors only; 0 progress on a terminal and notes; 1 (-v) a line per file acted on, in
+# place of the progress bar; 2 (-vv) debug detail too. stdout, errors and exit codes never change.
+QUIET, NORMAL, VERBOSE, DEBUG = -1, 0, 1, 2
+_level = NORMAL
+
+
+def set_verbosity(level: int) -> None:
+    """The level for this run; the core's log lines (logger "stager") go to stderr from -v on."""
+    import logging
+
+    global _level
+    _level = max(QUIET, min(DEBUG, level))
+    logger = logging.getLogger("stager")
+    logger.handlers[:] = [_stderr_lines_handler()]
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG if _level >= DEBUG else logging.INFO if _level >= VERBOSE else logging.WARNING)
+
+
+def verbosity() -> int:
+    return _level
+
 
 def emit_json(obj: dict) -> None:
     """The one JSON object of a `--json` run, on stdout."""
@@ -42,6 +64,28 @@ def report(text: str) -> None:
 def say(text: str) -> None:
     """A line for the operator that is not the result (a note, a log line, an error), on stderr."""
     _write(sys.stderr, text + "\n")
+
+
+def note(text: str) -> None:
+    """An informational line on stderr (a note, a summary beside machine output); not with -q."""
+    if _level > QUIET:
+        say(text)
+
+
+def _stderr_lines_handler():
+    import logging
+
+    class StderrLines(logging.Handler):
+        """A log record as one printable stderr line, through the same closed-pipe-safe writer:
+        logging's own StreamHandler printed a traceback ("--- Logging error ---") on a closed stderr."""
+
+        def emit(self, record) -> None:
+            try:
+                say(printable(record.getMessage()))
+            except OSError:
+                pass
+
+    return StderrLines()
 
 
 def close_stdout() -> None:
@@ -82,8 +126,9 @@ def exit_with(problems: list) -> None:
 
 
 def byte_progress(enabled: bool, desc: str) -> Callable[[int], Callable[[int], None]] | None:
-    """A tqdm bar in bytes with rate and ETA, only on a terminal and never with --json."""
-    if not enabled or not sys.stderr.isatty():
+    """A tqdm bar in bytes with rate and ETA, only on a terminal, never with --json or -q, and not
+    with -v, whose line per file would tear the bar."""
+    if not enabled or _level != NORMAL or not sys.stderr.isatty():
         return None
 
     def factory(total: int) -> Callable[[int], None]:
@@ -111,6 +156,13 @@ def print_problems(problems: list, *, to_stdout: bool = False) -> None:
     text (`to_stdout`); a note beside it for those whose stdout is machine input (binds)."""
     for problem in problems:
         (report if to_stdout else say)(f"  {problem.kind:<16} {printable(problem.path)}: {printable(problem.detail)}")
+
+
+def print_pending(pending: list) -> None:
+    """One line per NAS revision still downloading, part of the result: which revision is pending
+    and which one the node stays on (hub.Pending). Not a problem: the exit code stays 0."""
+    for item in pending:
+        report(f"  {'pending':<16} {printable(item.describe())}")
 
 
 def size(n: int) -> str:

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, SeedOpt, app
+from stager.cli.app import FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, QuietOpt, SeedOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -21,6 +21,8 @@ def verify(
     json: JsonOpt = False,
     seed: SeedOpt = None,
     manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Check that every staged file is local, linked correctly, and matches the source."""
     from stager import mirror as core
@@ -45,8 +47,9 @@ def verify(
         terminal.report(f"{node}: {report.mode} verify against {report.against}: {report.ok}/{report.checked} ok, "
                         f"{terminal.count(len(report.problems), 'problem')}")
         terminal.print_problems(report.problems, to_stdout=True)
+        terminal.print_pending(report.pending)
         for command in report.repairs:
             terminal.report(f"repair: {command}")
         for note in report.notes:
-            terminal.say(f"note: {terminal.printable(note)}")
+            terminal.note(f"note: {terminal.printable(note)}")
     terminal.exit_with(report.problems)

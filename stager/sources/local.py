@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 from stager.errors import CannotRun
+from stager.small_files import read_regular_head
 from stager.sources.base import Stat, absolute_to_rel, reaching, relative_inside, stat_from_os
 
 
@@ -29,11 +30,13 @@ class LocalReader:
     def __init__(self, path: str, *, uncached: bool, sequential: bool = False, direct: bool = False):
         self.path = path
         with reaching(path):
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # Non-blocking: a FIFO put at the name since the walk's lstat would block a plain open.
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         st = os.fstat(self.fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(self.fd)
             raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(self.fd, True)
         self.size = st.st_size
         self._pos = 0
         self._direct = reopen_direct(self.fd, os.O_RDONLY) if direct else -1
@@ -165,8 +168,10 @@ class LocalSource:
             return sorted(os.listdir(self.path(rel)))
 
     def read_small(self, rel: str, limit: int) -> bytes:
-        with reaching(self.path(rel)), open(self.path(rel), "rb") as handle:
-            return handle.read(limit)
+        # Links followed: a snapshot's index or config is a link to its blob. A FIFO named
+        # `*.safetensors.index.json` on the NAS hung mirror and verify in a blocking open.
+        with reaching(self.path(rel)):
+            return read_regular_head(self.path(rel), limit, follow=True)
 
     def canonical_dir(self, rel_dir: str) -> str | None:
         # Once per directory and run: realpath lstats every component, and a walk asks for the

@@ -334,6 +334,10 @@ class RemoteSource:
 
     def read_small(self, rel: str, limit: int) -> bytes:
         with self._session(f"reading {rel}") as sftp:
+            # The server's open(2) of a FIFO blocks until the session times out: its kind first
+            # (links followed, as a snapshot's index is a link to its blob).
+            if not stat.S_ISREG(sftp.stat(self.path(rel)).st_mode or 0):
+                raise OSError(errno.EINVAL, "not a regular file", self.display(rel))
             with sftp.open(self.path(rel), "rb") as handle:
                 return handle.read(limit)
 
