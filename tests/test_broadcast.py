@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,12 @@ from stager.lock import HUB_LOCK
 MiB = 1024 * 1024
 
 # A real process between two relays: it forwards both ways and flips one byte of what the
-# upstream sends, once, at the given offset of the stream (past the handshake, inside a chunk).
+# upstream sends, once, at the given offset of the stream (past the handshake, inside a chunk),
+# or (flip_at -1) passes the upstream's bytes on at `rate` bytes/s: a slow link.
 MAN_IN_THE_MIDDLE = r"""
-import socket, sys, threading
+import socket, sys, threading, time
 target, flip_at = int(sys.argv[1]), int(sys.argv[2])
+rate = float(sys.argv[3]) if len(sys.argv) > 3 else 0
 server = socket.create_server(("127.0.0.1", 0))
 print(server.getsockname()[1], flush=True)
 flipped = False
@@ -38,6 +41,8 @@ def pipe(src, dst, corrupt):
             data = bytearray(data); data[flip_at - seen] ^= 0xFF; data = bytes(data); flipped = True
         seen += len(data)
         dst.sendall(data)
+        if corrupt and rate:
+            time.sleep(len(data) / rate)
     dst.close()
 while True:
     client, _ = server.accept()
@@ -187,3 +192,66 @@ def test_a_downstream_whose_upstream_dies_resumes_from_the_next_holder(tmp_path,
     assert results["c"]["upstreams"] == ["a"] and results["c"]["peer_bytes"] == sum(s.size for s in nas["files"])
     assert results["c"]["bad_senders"] == []
     assert_landed(tmp_path, "c", nas)
+
+
+def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_path, nas):
+    """b's inbound link runs at 4 MB/s. Once the chain is rerouted to a -> c -> b (the driver's
+    decision, see test_the_driver_moves_the_first_laggard), c takes its chunks from a and
+    finishes long before b, which is then served by c from disk."""
+    from stager.fleet.broadcast.relay import CHUNK as chunk
+
+    key, run_id = mint()
+    running = relays(tmp_path, nas, key, run_id)
+    # b's own inbound link is slow, whoever sends: b dials a and c through throttling processes.
+    slow = {name: subprocess.Popen([sys.executable, "-c", MAN_IN_THE_MIDDLE, str(running[name][1]), "-1",
+                                    str(4 * MiB)], stdout=subprocess.PIPE, text=True) for name in ("a", "c")}
+    finished: dict[str, float] = {}
+    try:
+        hops = {"a": ("a", "127.0.0.1", running["a"][1]), "b": ("b", "127.0.0.1", running["b"][1]),
+                "c": ("c", "127.0.0.1", running["c"][1])}
+        b_view = {**hops, **{name: (name, "127.0.0.1", int(proc.stdout.readline())) for name, proc in slow.items()}}
+        results: dict[str, dict] = {}
+
+        def one(name, chain):
+            results[name] = running[name][0].run(Session(0, nas["files"], chain))
+            finished[name] = time.monotonic()
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=one, args=(name, chain)) for name, chain in (
+            ("a", (hops["a"], hops["b"], hops["c"])), ("b", (b_view["a"], hops["b"], hops["c"])),
+            ("c", (hops["a"], hops["b"], hops["c"])))]
+        for thread in threads:
+            thread.start()
+        while running["b"][0].progress(0) < chunk and time.monotonic() - started < 30:
+            time.sleep(0.05)
+        running["c"][0].reroute(0, (hops["a"], hops["c"], hops["b"]))
+        running["b"][0].reroute(0, (b_view["a"], b_view["c"], hops["b"]))
+        for thread in threads:
+            thread.join(60)
+    finally:
+        for proc in slow.values():
+            proc.kill()
+            proc.wait()
+        for relay, _ in running.values():
+            relay.close()
+    total = sum(share.size for share in nas["files"])
+    assert results["c"]["upstreams"][-1] == "a" and results["c"]["peer_bytes"] == total
+    assert results["b"]["upstreams"][-1] == "c" and results["b"]["peer_bytes"] == total
+    # c did not wait for b: at 4 MB/s b alone needs about 5 s for the data.
+    assert finished["c"] - started < 0.75 * (finished["b"] - started), (finished, started)
+    for name in running:
+        assert_landed(tmp_path, name, nas)
+
+
+def test_the_driver_moves_the_first_laggard():
+    from stager.fleet.broadcast.chain import LAG_MIN_BYTES, laggard
+
+    names = ["a", "b", "c", "d"]
+    healthy = {"a": LAG_MIN_BYTES * 2, "b": LAG_MIN_BYTES * 2 - CHUNK, "c": LAG_MIN_BYTES, "d": LAG_MIN_BYTES}
+    assert laggard(names, healthy, set()) is None
+    behind = {**healthy, "b": LAG_MIN_BYTES // 2, "c": LAG_MIN_BYTES // 2, "d": LAG_MIN_BYTES // 2}
+    assert laggard(names, behind, set()) == "b"
+    assert laggard(names, behind, {"b"}) is None  # once per node; c only trails b, it is not slow itself
+    # Nor early in the run, nor the head (it reads the NAS for everyone), nor the tail.
+    assert laggard(names, {"a": CHUNK, "b": 0, "c": 0, "d": 0}, set()) is None
+    assert laggard(names, {"a": LAG_MIN_BYTES, "b": LAG_MIN_BYTES, "c": LAG_MIN_BYTES, "d": 0}, set()) is None

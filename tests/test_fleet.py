@@ -377,8 +377,9 @@ def test_broadcast_stages_every_node_reading_the_nas_once(broadcast_run, staged,
         hub = root / name / "hub"
         assert_staged_like_the_nas(hub, nas)
         assert hub_tree(hub) == hub_tree(staged["root"] / "dgx1" / "hub")
-        assert load_offline(hub)["repos"] == sorted([FLASH, DRAFTER])
         verify_full(broadcast_run["manifest"], name)
+    # The tail received everything through two relays: huggingface_hub loads it offline.
+    assert load_offline(root / "dgx3" / "hub")["repos"] == sorted([FLASH, DRAFTER])
     # Bytes the NAS's own sftp-server read: the data once, plus each node's bounded sampled checks.
     files = 4
     assert data <= broadcast_run["nas_bytes"] <= data + 3 * files * SAMPLE_READS, broadcast_run["nas_bytes"]
@@ -491,8 +492,7 @@ def test_a_relay_killed_mid_run_is_routed_around_and_a_rerun_converges(cluster, 
     again, _ = fleet("mirror", "--json", "--timeout", "120", "--manifest", manifest)
     assert again.code == 0, again.stderr
     assert all(run["report"]["copied_bytes"] == 0 and run["peer_bytes"] == 0 for run in again.json["nodes"].values())
-    for name in NODES:
-        verify_full(manifest, name)
+    verify_full(manifest, "dgx2")
 
 
 def descendants(root_pid: int) -> set[int]:

@@ -146,7 +146,8 @@ def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: d
     return replace(run, delivery=Delivery(
         transport, peer_bytes=int(got.get("peer_bytes", 0)) + (0 if from_nas else copied),
         nas_bytes=int(got.get("nas_bytes", 0)) + (copied if from_nas else 0), fallbacks=tuple(fallbacks),
-        bad_senders=tuple(got.get("bad_senders") or ()), refused=tuple(got.get("refused") or ())))
+        bad_senders=tuple(got.get("bad_senders") or ()), refused=tuple(got.get("refused") or ()),
+        moved_to_tail=bool(got.get("moved_to_tail"))))
 
 
 def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:

@@ -29,11 +29,12 @@ class Delivery:
     fallbacks: tuple[dict, ...] = ()
     bad_senders: tuple[str, ...] = ()
     refused: tuple[str, ...] = ()
+    moved_to_tail: bool = False  # it fell behind its upstream, and the chain was reordered around it
 
     def to_json(self) -> dict:
         return {"transport": self.transport, "peer_bytes": self.peer_bytes, "nas_bytes": self.nas_bytes,
                 "fallbacks": list(self.fallbacks), "bad_senders": list(self.bad_senders),
-                "refused_connections": list(self.refused)}
+                "refused_connections": list(self.refused), "moved_to_tail": self.moved_to_tail}
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,8 @@ def table(report: FleetReport, problems_per_node: int = 5) -> list[str]:
         got = run.delivery
         if got is None:
             continue
+        if got.moved_to_tail:
+            lines.append(f"  {run.node}: fell behind its upstream and was moved to the tail of the chain")
         if got.bad_senders:
             lines.append(f"  {run.node}: refused chunks that failed the run's key from {', '.join(got.bad_senders)}"
                          " and fetched them again")

@@ -18,6 +18,13 @@ from stager.manifest import Manifest
 
 OPEN_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 10.0
+# How the driver spots a laggard: every WATCH_INTERVAL it asks each relay how much it holds; a
+# node holding less than LAG_FRACTION of what its upstream holds, once that is LAG_MIN_BYTES,
+# goes to the tail.
+WATCH_INTERVAL = 1.0
+PROGRESS_TIMEOUT = 2.0
+LAG_FRACTION = 0.5
+LAG_MIN_BYTES = 32 * 1024 * 1024  # 4 chunks: more than a healthy relay's lag of one or two
 
 
 def bind_host(address: str) -> str:
@@ -66,13 +73,18 @@ def broadcast(ray, manifest: Manifest, sessions: list[tuple[tuple[str, ...], tup
 
 def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], deadline: float) -> None:
     running = {relays[name].run.remote(session): name for name, _, _ in session.chain}
+    watch = _Laggards(ray, relays, session)
     while running:
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        ready, _ = ray.wait(list(running), num_returns=1,
+                            timeout=max(0.0, min(WATCH_INTERVAL, deadline - time.monotonic())))
         if not ready:
-            for ref, name in running.items():
-                stats[name]["error"] = "the broadcast did not finish within its share of --timeout"
-                ray.kill(relays[name], no_restart=True)
-            return
+            if time.monotonic() >= deadline:
+                for name in running.values():
+                    stats[name]["error"] = "the broadcast did not finish within its share of --timeout"
+                    ray.kill(relays[name], no_restart=True)
+                return
+            watch.check(set(running.values()))
+            continue
         name = running.pop(ready[0])
         try:
             got = ray.get(ready[0])
@@ -84,6 +96,47 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             mine[field] += got[field]
         mine["fallbacks"] += got["fallbacks"]
         mine["bad_senders"] = sorted(set(mine["bad_senders"]) | set(got["bad_senders"]))
+    for name in watch.moved:
+        stats[name]["moved_to_tail"] = True
+
+
+class _Laggards:
+    """A node far behind its upstream holds back every node after it: it is moved to the tail of
+    the chain, where the last node serves it from disk, and its downstream takes the chunks from
+    its upstream instead. Once per node, and never the head (it reads the NAS for everyone)."""
+
+    def __init__(self, ray, relays: dict, session: Session):
+        self.ray, self.relays, self.session = ray, relays, session
+        self.chain = session.chain
+        self.moved: set[str] = set()
+        self.total = sum(share.size for share in session.files)
+
+    def check(self, running: set[str]) -> None:
+        names = [name for name, _, _ in self.chain]
+        refs = {name: self.relays[name].progress.remote(self.session.number) for name in names if name in running}
+        try:
+            held = dict(zip(refs, self.ray.get(list(refs.values()), timeout=PROGRESS_TIMEOUT)))
+        except Exception:  # noqa: BLE001 - a relay that does not answer is routed around by its downstream
+            return
+        for name in names:
+            held.setdefault(name, self.total)  # finished (or gone: its downstream looks elsewhere)
+        name = laggard(names, held, self.moved)
+        if name is not None:
+            self.moved.add(name)
+            self.chain = tuple(hop for hop in self.chain if hop[0] != name) + tuple(
+                hop for hop in self.chain if hop[0] == name)
+            for other in running:
+                self.relays[other].reroute.remote(self.session.number, self.chain)
+
+
+def laggard(names: list[str], held: dict[str, int], moved: set[str]) -> str | None:
+    """The first node (not the head, not the tail, not moved before) holding less than
+    LAG_FRACTION of what its upstream holds, once the upstream holds LAG_MIN_BYTES."""
+    for index in range(1, len(names) - 1):
+        name, upstream = names[index], names[index - 1]
+        if name not in moved and held[upstream] >= LAG_MIN_BYTES and held[name] < LAG_FRACTION * held[upstream]:
+            return name
+    return None
 
 
 def _close(ray, relays: dict, stats: dict[str, dict]) -> None:

@@ -125,6 +125,7 @@ class Relay:
         self.never_write = tuple(never_write)
         self.cond = threading.Condition()
         self.sessions: dict[int, list[_Held]] = {}
+        self.routes: dict[int, tuple] = {}  # session -> the chain as last rerouted by the driver
         self.refused: list[str] = []
         self.closed = False
         self.listener: socket.socket | None = None
@@ -146,10 +147,16 @@ class Relay:
         threading.Thread(target=self._accept_loop, name="stage-broadcast-accept", daemon=True).start()
         return self.listener.getsockname()[1]
 
-    def progress(self) -> int:
-        """Bytes this node holds so far, over every session (the driver watches for a laggard)."""
+    def progress(self, number: int) -> int:
+        """Bytes of the session this node holds so far (the driver watches for a laggard)."""
         with self.cond:
-            return sum(held.have for files in self.sessions.values() for held in files)
+            return sum(held.size if held.lost else held.have for held in self.sessions.get(number, ()))
+
+    def reroute(self, number: int, chain: tuple[tuple[str, str, int], ...]) -> None:
+        """A new order for the session's chain (a laggard moved to the tail): this node takes
+        its chunks from its new upstream from the next chunk on."""
+        with self.cond:
+            self.routes[number] = chain
 
     def close(self) -> dict:
         """Stop serving, close every descriptor, release the lock. Returns who was refused."""
@@ -176,10 +183,8 @@ class Relay:
         with self.cond:
             self.sessions[session.number] = files
             self.cond.notify_all()
-        names = [name for name, _, _ in session.chain]
-        upstreams = list(reversed(session.chain[:names.index(self.node)]))
         nas = open_source(self.nas_url, self.aliases)
-        feed = _Feed(self, session, files, upstreams)
+        feed = _Feed(self, session, files)
         cache = DigestCache(nas, secrets.randbits(32))
         landed = 0
         try:
@@ -281,11 +286,13 @@ class Relay:
 class _Feed:
     """Where this node's chunks come from: the nearest live upstream, else the NAS."""
 
-    def __init__(self, relay: Relay, session: Session, files: list[_Held], upstreams: list[tuple[str, str, int]]):
+    def __init__(self, relay: Relay, session: Session, files: list[_Held]):
         self.relay = relay
         self.session = session
         self.files = files
-        self.candidates = list(upstreams)
+        self.route = session.chain
+        self.shunned: set[str] = set()  # upstreams that died, went silent or sent a bad chunk
+        self.candidates = self._upstreams(session.chain)
         self.conn: socket.socket | None = None
         self.upstream = ""
         self.lost: set[int] = set()  # files the current upstream said it does not hold
@@ -329,6 +336,7 @@ class _Feed:
         from the NAS (no upstream is left, or the upstream does not hold the file)."""
         relay = self.relay
         while True:
+            self._follow_route()
             if file_id in self.lost:
                 return None
             if self.conn is None and not self._connect():
@@ -356,6 +364,23 @@ class _Feed:
             self.bad_senders.append(self.upstream)
             self._drop()
 
+    def _upstreams(self, chain) -> list[tuple[str, str, int]]:
+        """The nodes before this one in `chain`, nearest first: who to ask, in turn, before the NAS."""
+        names = [name for name, _, _ in chain]
+        return [hop for hop in reversed(chain[:names.index(self.relay.node)]) if hop[0] not in self.shunned]
+
+    def _follow_route(self) -> None:
+        """Take a rerouted chain into use: a new nearest upstream is asked from the next chunk on."""
+        with self.relay.cond:
+            route = self.relay.routes.get(self.session.number, self.route)
+        if route == self.route:
+            return
+        self.route = route
+        self.candidates = self._upstreams(route)
+        if self.conn is not None and (not self.candidates or self.candidates[0][0] != self.upstream):
+            self.conn.close()
+            self.conn = None
+
     def _connect(self) -> bool:
         relay = self.relay
         while self.candidates:
@@ -374,6 +399,7 @@ class _Feed:
                 if isinstance(exc, Refused):
                     self.bad_senders.append(name)
                 log.warning("%s: cannot take the broadcast from %s (%s)", relay.node, name, _why(exc))
+                self.shunned.add(name)
                 self.candidates.pop(0)
                 continue
             self.conn, self.upstream, self.lost = sock, name, set()
@@ -393,7 +419,7 @@ class _Feed:
             self.conn.close()
         self.conn = None
         if self.candidates:
-            self.candidates.pop(0)
+            self.shunned.add(self.candidates.pop(0)[0])
 
     def close(self) -> None:
         if self.conn is not None:
