@@ -24,6 +24,7 @@ import errno
 import logging
 import os
 import posixpath
+import resource
 import secrets
 import socket
 import struct
@@ -143,6 +144,11 @@ class Relay:
         except OSError as exc:
             raise CannotRun(f"node hub {self.hub} cannot be created: {exc.strerror}") from None
         self._lock.enter_context(writer_lock(self.hub / HUB_LOCK, f"local hub {self.hub}"))
+        # One read descriptor per landed file stays open to serve it: a model of many shards
+        # would run into a soft limit of 1,024.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         self.listener = listen(host, ports)
         threading.Thread(target=self._accept_loop, name="stage-broadcast-accept", daemon=True).start()
         return self.listener.getsockname()[1]
