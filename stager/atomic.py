@@ -270,6 +270,30 @@ def ensure_dir(directory: Path) -> None:
         raise
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the closest ancestor that exists: where a directory not made yet would be made."""
+    while not os.path.exists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable(directory: Path) -> None:
+    """Raise, without writing anything, the OSError that writing in `directory` (made first if
+    missing) would meet now: a read-only file system, or no write access for this user. A dry run
+    calls it so that it ends as the real run would (exit 3, the same message), where it once
+    listed its plan and exited 0 for a run that could not write a byte."""
+    existing = nearest_existing(directory)
+    # The name the first write would fail on, in `existing` (the directory to make, or the `.locks`
+    # of one that exists): the error then reads as the real run's does.
+    below = Path(directory).relative_to(existing).parts[:1] if existing != directory else (".locks",)
+    first = str(existing.joinpath(*below))
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), first)
+    effective = os.access in os.supports_effective_ids
+    if not os.access(existing, os.W_OK | os.X_OK, effective_ids=effective):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), first)
+
+
 def ensure_real_dir(directory: Path) -> Path:
     """Make `directory` and check that it is a directory of its own, not a link to one.
 

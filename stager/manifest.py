@@ -68,12 +68,22 @@ def _text(value: object) -> str:
     return value
 
 
-def _whole(minimum: int | None = None) -> Callable[[object], int]:
+# TP sizes, ranks and layer numbers: far beyond any model, and a bound on the loops and files a
+# typo (`world = 30000000`) would otherwise ask for. The CLI's --world, --rank and --layer share it.
+MAX_TP = 4096
+# Counts and sizes land in 64-bit fields (shard headers, statvfs figures): a larger one is a typo.
+MAX_WHOLE = 2**63 - 1
+
+
+def _whole(minimum: int | None = None, maximum: int = MAX_WHOLE) -> Callable[[object], int]:
+    # A TOML float (`world = inf`, `rank = nan`, `world = 2.0`) is not a whole number: refused, never rounded.
     def read(value: object) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected a whole number, got {value!r}")
         if minimum is not None and value < minimum:
             raise ValueError(f"expected a whole number of at least {minimum}, got {value!r}")
+        if value > maximum:
+            raise ValueError(f"expected a whole number of at most {maximum}, got {value!r}")
         return value
     return read
 
@@ -184,7 +194,7 @@ def _node_models(value: object) -> list[str]:
 
 
 def _ranks(value: object) -> list[int]:
-    ranks = _list_of(_whole(0))(value)
+    ranks = _list_of(_whole(0, MAX_TP - 1))(value)
     if not ranks:
         raise ValueError("an empty list serves no rank; leave ranks out to serve every rank")
     twice = sorted({r for r in ranks if ranks.count(r) > 1})
@@ -226,7 +236,7 @@ class NodeConfig:
     reserve: int = _key(_byte_size, 0)  # bytes kept free; a bare integer is bytes
     models: list[str] = _key(_node_models, [])
     engram_dir: str | None = _key(_absolute_path, None)
-    rank: int | None = _key(_whole(0), None)
+    rank: int | None = _key(_whole(0, MAX_TP - 1), None)
     ranks: list[int] | None = _key(_ranks, None)  # the TP ranks this node serves, one per GPU; `rank` for one
     source: str | None = _key(_text, None)  # overrides nas.hub as this node's source
     # [user@]host[:port]: where peers reach this node's hub over SFTP (`stage fleet mirror --fan-out`)
@@ -245,10 +255,10 @@ class NodeConfig:
 @dataclass(frozen=True)
 class EngramConfig:
     model: str = _key(_text)
-    world: int = _key(_whole(1))
+    world: int = _key(_whole(1, MAX_TP))
     layout: str = _key(_one_of("floor", "heads"), "floor")
-    engram_head_rows: list[int] | None = _key(_list_of(_whole()), None)
-    layers: list[int] | None = _key(_list_of(_whole()), None)
+    engram_head_rows: list[int] | None = _key(_list_of(_whole(0)), None)
+    layers: list[int] | None = _key(_list_of(_whole(0, MAX_TP - 1)), None)
 
 
 @dataclass(frozen=True)

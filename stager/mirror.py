@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from stager import hints
+from stager.atomic import check_writable, nearest_existing
 from stager.errors import BadInput, CannotRun
 from stager.execute import execute, publish_refs
 from stager.hub import ExcludeError, Pending, Problem, RepoSnapshot, require_hub, walk_for_node
@@ -130,7 +131,7 @@ def reference_source(job: NodeJob) -> Source:
 
 def free_bytes(path: Path) -> int:
     """Free space for an unprivileged writer on the filesystem that holds (or will hold) `path`."""
-    return shutil.disk_usage(_nearest_existing(path)).free
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 def preflight(plan: Plan, job: NodeJob) -> None:
@@ -149,9 +150,18 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
     cache = DigestCache(job.source, job.seed)
     report = MirrorReport(dry_run=dry_run, source=job.source.url)
     if dry_run:
-        plan = make_plan(snapshots, observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs).local
-                         if job.local_hub.exists() else {}, {})
-        return _summarize(report, plan, snapshots, started)
+        # The real run's plan, so that what it would write (and refuse) is counted alike.
+        seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs, sources=job.never_write)
+        plan = make_plan(snapshots, seen.local, seen.meta_content, str(job.local_hub))
+        _summarize(report, plan, snapshots, started)
+        # What the real run would meet before its first write ends the dry run the same way.
+        if _read_only(job.local_hub):
+            if plan.writes:
+                raise CannotRun(_read_only_message(job, plan))
+        else:
+            check_writable(job.local_hub)
+        preflight(plan, job)
+        return report
     with _hub_lock(job, wait) as (writable, waited):
         if waited:  # time has passed, and the NAS's refs may have moved: stage what they name now
             snapshots = walk(job)
@@ -163,8 +173,7 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
                   len(plan.problems))
         _summarize(report, plan, snapshots, started)
         if not writable and plan.writes:
-            raise CannotRun(f"node hub {job.local_hub} is on a read-only filesystem and {plan.writes} "
-                            "files need writing")
+            raise CannotRun(_read_only_message(job, plan))
         preflight(plan, job)
         progress = progress_factory(plan.bytes_to_copy) if progress_factory else None
         result = execute(plan, job.source, job.local_hub, cache, full=full, jobs=job.jobs, progress=progress,
@@ -205,15 +214,13 @@ def _hub_lock(job: NodeJob, wait: float) -> Iterator[tuple[bool, bool]]:
         yield True, waited
 
 
+def _read_only_message(job: NodeJob, plan: Plan) -> str:
+    return f"node hub {job.local_hub} is on a read-only filesystem and {plan.writes} files need writing"
+
+
 def _read_only(path: Path) -> bool:
-    return bool(os.statvfs(_nearest_existing(path)).f_flag & os.ST_RDONLY)
+    return bool(os.statvfs(nearest_existing(path)).f_flag & os.ST_RDONLY)
 
-
-def _nearest_existing(path: Path) -> Path:
-    """`path`, or the closest ancestor that exists: what a hub not made yet will live on."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def _summarize(report: MirrorReport, plan: Plan, snapshots: list[RepoSnapshot], started: float) -> MirrorReport:

@@ -480,6 +480,8 @@ def test_a_read_only_mount_is_named(shared_demo):
         mount --bind {hub1} {hub1} && mount -o remount,bind,ro {hub1} || exit 99
         {stage_cmd} pack-engram --node dgx2 --manifest {manifest} 2>pack.err; echo "pack $?"
         {stage_cmd} mirror --node dgx1 --manifest {manifest} 2>mirror.err; echo "mirror $?"
+        {stage_cmd} pack-engram --node dgx2 -n --manifest {manifest} 2>pack-n.err; echo "pack-n $?"
+        {stage_cmd} mirror --node dgx1 -n --manifest {manifest} 2>mirror-n.err >/dev/null; echo "mirror-n $?"
         """], capture_output=True, text=True, cwd=where, timeout=300, env=_clean_env())
     if result.returncode == 99:
         pytest.skip("bind mounts are not permitted here")
@@ -489,6 +491,10 @@ def test_a_read_only_mount_is_named(shared_demo):
     mirror, = (where / "mirror.err").read_text().strip().splitlines()
     assert mirror.startswith("stage: error: ") and str(hub1) in mirror
     assert re.search(r"read-only file ?system", mirror)
+    # A dry run ends as the real run would: the same line, the same exit code.
+    assert "pack-n 3" in result.stdout and "mirror-n 3" in result.stdout, result.stdout
+    assert (where / "pack-n.err").read_text() == (where / "pack.err").read_text()
+    assert (where / "mirror-n.err").read_text() == (where / "mirror.err").read_text()
 
 
 # ---- 6. CLI conventions ------------------------------------------------------------------------------
@@ -738,3 +744,94 @@ def test_help_shows_every_command_description_whole():
     for name, command in every_command().items():
         first = " ".join(command.help.split("\n\n")[0].split())
         assert f"{name} {first}" in flat, (name, first, usage)
+
+
+# ---- 10. dry runs: archive and pack-engram list everything and touch nothing --------------------------
+
+def tree_state(*roots: Path) -> dict:
+    """Every file's sha256 and every directory's and link's stat, under `roots`: what a dry run must not change."""
+    import hashlib
+
+    state = {}
+    for root in roots:
+        for here, dirs, files in os.walk(root):
+            for name in [".", *dirs, *files]:
+                path = os.path.normpath(os.path.join(here, name))
+                st = os.lstat(path)
+                entry = (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    entry += (hashlib.sha256(Path(path).read_bytes()).hexdigest(),)
+                state[path] = entry
+    return state
+
+
+def test_archive_dry_run_lists_every_move_and_changes_nothing(tmp_path):
+    src, dest = tmp_path / "old-tp2", tmp_path / "archive"
+    (src / "sub").mkdir(parents=True)
+    dest.mkdir()
+    for i, name in enumerate(["engram-l0-r0of2.bin", "engram-l1-r0of2.bin", "sub/notes.txt"]):
+        (src / name).write_bytes(os.urandom(1000 + i))
+    (dest / "old-tp2").mkdir()
+    (dest / "old-tp2" / "engram-l1-r0of2.bin").write_bytes((src / "engram-l1-r0of2.bin").read_bytes())  # adopted
+    before = tree_state(tmp_path)
+    text = stage("archive", "-n", src, dest)
+    data = json.loads(stage("archive", "--dry-run", "--json", src, dest).stdout)
+    assert tree_state(tmp_path) == before  # no lock, no temp, no record, no directory
+    assert text.returncode == 0, text.stderr
+    listed = [line for line in text.stdout.splitlines() if line.startswith("  would ")]
+    assert len(listed) == 3 and text.stdout.splitlines()[3].startswith("archive: would move 3 files"), text.stdout
+    assert data["dry_run"] is True and data["moved_files"] == 0
+    planned = {item["path"]: (item["to"], item["action"]) for item in data["would_move"]}
+    assert planned == {str(src / "engram-l0-r0of2.bin"): (str(dest / "old-tp2" / "engram-l0-r0of2.bin"), "copy"),
+                       str(src / "engram-l1-r0of2.bin"): (str(dest / "old-tp2" / "engram-l1-r0of2.bin"), "adopt"),
+                       str(src / "sub" / "notes.txt"): (str(dest / "old-tp2" / "sub" / "notes.txt"), "copy")}
+    real = json.loads(stage("archive", "--json", src, dest).stdout)
+    assert {item["source"] for item in real["files"]} == set(planned), real["files"]
+    assert all(Path(to).is_file() and not Path(path).exists() for path, (to, _) in planned.items())
+
+
+def test_pack_engram_dry_run_lists_every_shard_and_changes_nothing(tmp_path):
+    manifest = make_demo(tmp_path)
+    assert stage("mirror", "--node", "dgx2", "--manifest", manifest).returncode == 0
+    node = tmp_path / "demo" / "nvme-dgx2"
+    before = tree_state(node, tmp_path / "demo")
+    text = stage("pack-engram", "--node", "dgx2", "-n", "--manifest", manifest)
+    data = json.loads(stage("pack-engram", "--node", "dgx2", "--dry-run", "--json", "--manifest", manifest).stdout)
+    assert tree_state(node, tmp_path / "demo") == before and not (node / "engram").exists()
+    assert text.returncode == 0 and text.stdout.count("would pack /") == 2, text.stdout
+    assert data["dry_run"] is True and [s["skipped"] for s in data["shards"]] == [False, False]
+    packed = json.loads(stage("pack-engram", "--node", "dgx2", "--json", "--manifest", manifest).stdout)
+    assert [s["path"] for s in packed["shards"]] == [s["path"] for s in data["shards"]]
+    assert packed["packed_bytes"] == data["packed_bytes"] > 0
+    after = tree_state(node)
+    warm = json.loads(stage("pack-engram", "--node", "dgx2", "-n", "--json", "--manifest", manifest).stdout)
+    assert all(s["skipped"] and s["reason"] == "up to date" for s in warm["shards"]) and tree_state(node) == after
+
+
+def test_a_dry_run_that_could_not_write_ends_as_the_real_run(shared_demo):
+    """Run as a user without write access, each dry run prints the real run's error line and exits
+    with its code (it listed its plan and exited 0 before)."""
+    manifest, where = shared_demo
+    demo = where / "demo"
+    cases = [["mirror", "--node", "dgx1"]]
+    assert stage("mirror", "--node", "dgx2", "--manifest", manifest, cwd=where).returncode == 0
+    cases.append(["pack-engram", "--node", "dgx2"])
+    old, archive = where / "old", where / "archive"
+    old.mkdir(mode=0o755)
+    (old / "engram-l0-r0of2.bin").write_bytes(b"x" * 4096)
+    archive.mkdir(mode=0o755)  # root's: nobody cannot write DEST
+    cases.append(["archive", old, archive])
+    before = tree_state(where)
+    for args in cases:
+        real = as_nobody(*args, "--manifest", manifest, cwd=where)
+        dry = as_nobody(*args, "-n", "--manifest", manifest, cwd=where)
+        assert real.returncode == 3 and "permission denied" in real.stderr or "not writable" in real.stderr, real
+        assert (dry.returncode, dry.stderr) == (real.returncode, real.stderr), (args, dry.stderr, real.stderr)
+    assert tree_state(where) == before
+    # DEST writable, SRC not: the real run copies and keeps the source (not_deleted, exit 1); so does the dry run.
+    archive.chmod(0o777)
+    dry = as_nobody("archive", "-n", "--json", old, archive, cwd=where)
+    assert dry.returncode == 1 and [p["kind"] for p in json.loads(dry.stdout)["problems"]] == ["not_deleted"], dry
+    assert list(archive.iterdir()) == []
+    real = as_nobody("archive", "--json", old, archive, cwd=where)
+    assert real.returncode == 1 and [p["kind"] for p in json.loads(real.stdout)["problems"]] == ["not_deleted"]

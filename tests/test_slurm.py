@@ -185,3 +185,32 @@ def test_scripts_units_and_cron_share_one_configuration_directory():
     assert set(named) == {"/etc/stager/"}, named
     for name in ("slurm-common.sh", "stage-mirror.service", "stage-audit.service", "stage-audit.cron"):
         assert "/etc/stager/cluster.toml" in (SCRIPTS / name).read_text(), name
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "1e9", "86401", "2.5", "30s", "999999999999999999999"])
+def test_a_stage_wait_that_is_not_whole_seconds_fails_the_prolog_with_one_line(demo, value):
+    """`STAGE_WAIT=inf` (or nan) reached `stage mirror --wait`, which waited on a held hub for ever:
+    slurmd's job hung with it. The bad setting is one line naming it, exit 2, and the node drains."""
+    conf = demo["conf"].with_name("slurm-bad.env")
+    conf.write_text(demo["conf"].read_text() + f"STAGE_WAIT={value}\n")
+    env = {"SLURMD_NODENAME": "dgx1", "SLURM_JOB_ID": "4242", "STAGE_SLURM_CONF": str(conf)}
+    with holding(demo["hub"] / ".locks" / "stager.lock"):
+        for script in ("slurm-prolog.sh", "slurm-epilog.sh"):
+            result = subprocess.run(["/bin/bash", str(SCRIPTS / script)], env=env, capture_output=True, text=True,
+                                    timeout=30)
+            assert result.returncode == 2, result.stderr
+            line, = result.stderr.strip().splitlines()
+            assert f"STAGE_WAIT={value} in {conf}" in line and line.endswith("the node drains"), line
+    assert not (demo["hub"] / "models--acme--Flash-3bpw").exists(), "no mirror ran"
+
+
+def test_a_slurm_env_file_that_is_a_fifo_fails_the_prolog_at_once(demo):
+    """Sourcing a FIFO waits for a writer for ever."""
+    fifo = demo["conf"].with_name("slurm-fifo.env")
+    os.mkfifo(fifo)
+    env = {"SLURMD_NODENAME": "dgx1", "SLURM_JOB_ID": "4242", "STAGE_SLURM_CONF": str(fifo)}
+    result = subprocess.run(["/bin/bash", str(SCRIPTS / "slurm-prolog.sh")], env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2, result.stderr
+    line, = result.stderr.strip().splitlines()
+    assert line == f"stage-prolog: {fifo}: not a regular file; the node drains"

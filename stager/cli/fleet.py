@@ -1,4 +1,4 @@
-"""`stage fleet mirror|verify|pack-engram|audit`: the node-local command on every node, over Ray."""
+"""`stage fleet mirror|verify|pack-engram|audit|prune`: the node-local command on every node, over Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, QuietOpt, VerboseOpt, app
+from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, QuietOpt, TimeoutOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -16,13 +16,14 @@ class FleetCommand(str, Enum):
     verify = "verify"
     pack_engram = "pack-engram"
     audit = "audit"
+    prune = "prune"
 
 
 @app.command()
 def fleet(
     command: Annotated[FleetCommand, typer.Argument(help="The node-local command to run on every node")],
     nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma-separated node names (default: every node in the manifest)")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds before a silent node is reported unreachable")] = 3600,
+    timeout: TimeoutOpt = 3600,
     fan_out: Annotated[bool, typer.Option("--fan-out", help="mirror: one node from the NAS, the rest from staged peers over SFTP (--transport sftp)")] = False,
     transport: Annotated[Optional[str], typer.Option(
         "--transport", help="mirror: how bytes several nodes need move: broadcast (default with 2+ node addresses), sftp (the peer tree), nas (every node reads its source)")] = None,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from stager.atomic import atomic_file, ensure_dir, fsync_dir, open_for_write, sweep_temps
+from stager.atomic import atomic_file, check_writable, ensure_dir, fsync_dir, open_for_write, sweep_temps
 from stager.engram.checkpoint import Checkpoint, open_checkpoint
 from stager.engram.checks import check_shard
 from stager.engram.node_shards import refuse_engram_dir_on_nas, shard_specs, target
@@ -46,7 +46,7 @@ WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every 32 
 @dataclass(frozen=True)
 class PackedShard:
     spec: ShardSpec
-    sha256: str
+    sha256: str | None  # None: a --dry-run's shard that would be packed
     skipped: bool
     reason: str  # why it was (re)packed, or "up to date"
 
@@ -60,6 +60,7 @@ class PackReport:
     source: str
     shards: list[PackedShard] = field(default_factory=list)
     seconds: float = 0.0
+    dry_run: bool = False
 
     @property
     def packed_bytes(self) -> int:
@@ -67,14 +68,17 @@ class PackReport:
 
     def to_json(self) -> dict:
         return {"node": self.node, "source": self.source, "shards": [s.to_json() for s in self.shards],
-                "packed_bytes": self.packed_bytes, "seconds": round(self.seconds, 3)}
+                "packed_bytes": self.packed_bytes, "dry_run": self.dry_run, "seconds": round(self.seconds, 3)}
 
 
 def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, world: int | None = None,
-         layers: list[int] | None = None, from_nas: bool = False,
+         layers: list[int] | None = None, from_nas: bool = False, dry_run: bool = False,
          progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> PackReport:
     """Pack `ranks` (default: the node's) of every layer; shards that already match are skipped.
-    One writer lock, one space check and one SHA256SUMS rewrite cover the whole run."""
+    One writer lock, one space check and one SHA256SUMS rewrite cover the whole run.
+
+    `dry_run` plans from what is on disk now and writes nothing (no directory, lock, temp, receipt
+    or SHA256SUMS line); what would stop the real run (no write access, no space) stops it too."""
     started = time.monotonic()
     _engram, node, world, ranks = target(manifest, node_name, world, ranks)
     refuse_engram_dir_on_nas(manifest, node_name)
@@ -82,7 +86,15 @@ def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, 
     specs = shard_specs(manifest, node_name, checkpoint, ranks=ranks, world=world,
                         layers=list(dict.fromkeys(layers)) if layers else None)
     engram_dir = Path(node.engram_dir)
-    report = PackReport(node_name, checkpoint.origin)
+    report = PackReport(node_name, checkpoint.origin, dry_run=dry_run)
+    if dry_run:
+        check_writable(engram_dir)
+        sums = read_sums(engram_dir / SUMS_NAME)
+        plan, _restored = _plan(specs, checkpoint, sums, secrets.randbits(32))
+        _preflight(engram_dir, sum(spec.bytes for spec, reason in plan if reason is not None), node.reserve)
+        report.shards = [PackedShard(spec, None, reason is None, reason or "up to date") for spec, reason in plan]
+        report.seconds = time.monotonic() - started
+        return report
     ensure_dir(engram_dir)
     with writer_lock(engram_dir / ENGRAM_LOCK, f"engram directory {engram_dir}"):
         sweep_temps(engram_dir)  # a killed pack leaves a hidden temp as large as the shard

@@ -8,8 +8,8 @@ from stager.errors import EXIT_CANNOT_RUN, EXIT_OK
 from stager.units import format_size
 
 ALLOW_OPEN = "--allow-unauthenticated-cluster"
-# What the table's "bytes" column shows for each command (verify moves no bytes).
-BYTES_KEY = {"mirror": "copied_bytes", "pack-engram": "packed_bytes", "audit": "needed_bytes"}
+# What the table's "bytes" column shows for each command (verify moves no bytes; prune: bytes freed).
+BYTES_KEY = {"mirror": "copied_bytes", "pack-engram": "packed_bytes", "audit": "needed_bytes", "prune": "freed_bytes"}
 STATUS = {
     "audit": ("ok", "warning", "critical", "unknown"),  # Nagios, as `stage audit` exits
     "default": ("ok", "problems", "bad input", "cannot run"),

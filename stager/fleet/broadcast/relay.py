@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.copier import OffsetWriter, SourceChanged
+from stager.copier import DirectWriter, SourceChanged
 from stager.errors import CannotRun
 from stager.execute import land_verified, writable_dir
 from stager.fingerprint import Reference
@@ -313,7 +313,7 @@ class _Feed:
         """land_verified's fill: the file's chunks, each checked, written at its offset."""
         relay, held = self.relay, self.files[file_id]
         held.fd = os.open(f"/proc/self/fd/{out.fd}", os.O_RDONLY | os.O_CLOEXEC)
-        writer = OffsetWriter(out)
+        writer = DirectWriter(out.fd)
         try:
             while held.have < held.size:
                 offset = held.have
