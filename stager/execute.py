@@ -99,7 +99,7 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
     try:
         # Disk full or interrupted: the pool stops the queued copies instead of failing each in
         # turn, and waits for the running ones before their temp files are discarded.
-        with worker_pool(jobs, "stage-copy") as pool:
+        with worker_pool(jobs, "stage-copy", "copies") as pool:
             for future in [pool.submit(copy_one, copy) for copy in plan.copies]:
                 future.result()
         batch.commit()

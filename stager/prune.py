@@ -447,7 +447,8 @@ def sweep_payload(payload: Path, hub: Path, seen: reclaim.Seen | None = None, *,
     bytes freed."""
     lock = payload.with_name(payload.name + ".lock")
     refs = payload.with_name(payload.name + ".refs")
-    fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    # Non-blocking: opening a FIFO at the lock's name for writing would wait for a reader for ever.
+    fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise _Changed(f"{lock.name} is not a regular file")
