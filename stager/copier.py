@@ -24,6 +24,7 @@ from typing import Callable
 from stager.atomic import AtomicFile
 from stager.sources.base import reaching
 from stager.sources.local import DIRECT_ALIGN, LocalReader, aligned_buffer, reopen_direct
+from stager.workers import stop_point
 
 BUFFER_BYTES = 8 * 1024 * 1024
 BUFFERS = 3
@@ -87,6 +88,7 @@ def _copy_range(reader: LocalReader, out: AtomicFile, size: int, progress) -> bo
     """Kernel-side copy. Returns False (nothing copied) where the filesystems do not support it."""
     done = 0
     while done < size:
+        stop_point()  # Ctrl-C: stop at the next chunk, not at the end of a 20 GB file
         try:
             with reaching(reader.path):  # the local disk never says ENOTCONN: that is the source
                 got = os.copy_file_range(reader.fd, out.fd, min(RANGE_CHUNK, size - done), done, done)
@@ -206,6 +208,7 @@ def _pipeline(reader, out: AtomicFile, size: int, hasher, progress) -> None:
                 if isinstance(item, BaseException):
                     raise item
                 buffer, got = item
+                stop_point()
                 view = memoryview(buffer)[:got]
                 hashing = hash_pool.submit(hasher.update, view) if hasher is not None else None
                 writer.write(view, written)

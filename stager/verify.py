@@ -187,7 +187,7 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
         return item, outcome
 
     report.content_checked += len(work)
-    with worker_pool(jobs, "stage-verify") as pool:
+    with worker_pool(jobs, "stage-verify", "checks") as pool:
         for (entry, _snap, _final), (problem, reread) in pool.map(content, work):
             if problem is not None:
                 report.problems.append(problem)

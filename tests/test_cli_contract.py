@@ -113,9 +113,10 @@ def test_printed_repairs_run_and_repair(tmp_path):
     staged = tmp_path / "demo" / "nvme" / "hf" / "hub"
     victim = next(staged.glob("models--acme--Flash-drafter/snapshots/*/model.safetensors"))
     os.unlink(os.path.realpath(victim))
-    broken = stage("verify", "--node", "dgx1", "--manifest", rel, cwd=tmp_path)
+    broken = stage("verify", "--node", "dgx1", "--seed", "4242", "--manifest", rel, cwd=tmp_path)
     assert broken.returncode == 1
-    assert run_hints(broken.stdout, tmp_path) == [f"stage mirror --node dgx1 --manifest {rel}"]
+    # The repair repeats the check that found the damage: the verify's own seed.
+    assert run_hints(broken.stdout, tmp_path) == [f"stage mirror --node dgx1 --seed 4242 --manifest {rel}"]
     assert stage("verify", "--node", "dgx1", "--manifest", rel, cwd=tmp_path).returncode == 0
 
     # dgx2 has Engram shards configured. Before its mirror, verify says how to get the checkpoint;
@@ -135,7 +136,8 @@ def test_printed_repairs_run_and_repair(tmp_path):
     # A manifest given as $STAGE_MANIFEST is named in the hint too, so the hint runs without it.
     os.unlink(os.path.realpath(victim))
     from_env = stage("verify", "--node", "dgx1", cwd=tmp_path, env={"STAGE_MANIFEST": str(manifest)})
-    assert run_hints(from_env.stdout, tmp_path) == [f"stage mirror --node dgx1 --manifest {manifest}"]
+    [hint] = run_hints(from_env.stdout, tmp_path)
+    assert re.fullmatch(rf"stage mirror --node dgx1 --seed \d+ --manifest {re.escape(str(manifest))}", hint), hint
 
 
 # ---- 3. stdout is the result, stderr the rest ---------------------------------------------------------
@@ -280,7 +282,9 @@ def assert_ended_by(sig: int, code: int, err: str) -> None:
     assert code == 128 + sig, err
     lines = err.strip().splitlines()
     assert "Traceback" not in err
-    assert lines == ["stage: interrupted" if sig == signal.SIGINT else "stage: terminated"], lines
+    word = "interrupted" if sig == signal.SIGINT else "terminated"
+    assert len(lines) == 1 and re.fullmatch(rf"stage: {word}(, stopping \d+ [a-z]+( in flight\.\.\.))?",
+                                            lines[0]), lines
 
 
 SIGNALS = pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -297,13 +301,6 @@ def test_signal_during_mirror_cleans_up_and_releases_the_lock(big_nas, tmp_path,
     again = stage("mirror", "--node", "dgx1", "--full", "--manifest", manifest)
     assert again.returncode == 0, again.stderr  # not refused as locked; it converges and verifies
     assert temp_files(tmp_path) == []
-
-
-def bytes_read(pid: int) -> int | None:
-    try:
-        return int(re.search(r"^rchar: (\d+)$", Path(f"/proc/{pid}/io").read_text(), flags=re.M).group(1))
-    except (FileNotFoundError, ProcessLookupError, AttributeError):
-        return None
 
 
 def open_files(pid: int) -> list[str]:
@@ -835,3 +832,115 @@ def test_a_dry_run_that_could_not_write_ends_as_the_real_run(shared_demo):
     assert list(archive.iterdir()) == []
     real = as_nobody("archive", "--json", old, archive, cwd=where)
     assert real.returncode == 1 and [p["kind"] for p in json.loads(real.stdout)["problems"]] == ["not_deleted"]
+
+
+# ---- 11. Ctrl-C mid-copy on a slow source: said at once, stopped at the next chunk -------------------
+
+@contextlib.contextmanager
+def throttled_reads(path: Path, bytes_per_second: int):
+    """A blkio cgroup (v1) that reads the disk holding `path` at `bytes_per_second`: a slow NAS
+    with real, uncached reads. Yields the cgroup.procs file to put a process in."""
+    root = Path("/sys/fs/cgroup/blkio")
+    if not (root / "blkio.throttle.read_bps_device").exists():
+        pytest.skip("no blkio cgroup (v1) to throttle reads with here")
+    dev = os.stat(path).st_dev
+    group = root / f"stage-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "blkio.throttle.read_bps_device").write_text(f"{os.major(dev)}:{os.minor(dev)} {bytes_per_second}\n")
+        yield group / "cgroup.procs"
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (root / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def test_ctrl_c_mid_copy_says_so_at_once_and_stops_at_the_next_chunk(tmp_path):
+    """A 160 MiB weight read at 16 MiB/s (ten seconds): SIGINT once the copy is under way ends the
+    mirror within a few seconds, not when the file is done; the stderr line says what it stops,
+    no temp file is left, the lock is free and the next mirror stages a hub that verifies."""
+    hub = Hub(tmp_path / "nas")
+    snap = hub.repo("acme/Slow").snapshot()
+    size, chunks = streamed_safetensors(5, 160 * MiB)
+    snap.add_lfs_stream("model.safetensors", size, chunks, shared=False)
+    snap.finish()
+    for blob in (tmp_path / "nas").rglob("*"):  # every NAS byte read from the (throttled) disk, not the page cache
+        if blob.is_file():
+            fd = os.open(blob, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    node = tmp_path / "nvme" / "hf" / "hub"
+    manifest = write_manifest(tmp_path / "m.toml", tmp_path / "nas", node, {"acme/Slow": {}})
+    rate = 16 * MiB
+    with throttled_reads(tmp_path, rate) as procs:
+        proc = subprocess.Popen([*STAGE, "mirror", "--node", "dgx1", "-j", "1", "--manifest", str(manifest)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env(),
+                                preexec_fn=lambda: procs.write_text(str(os.getpid())))
+        deadline = time.monotonic() + 60
+        while not temp_files(node):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        started = time.monotonic()
+        time.sleep(2)  # the copy is under way: at most 2 s x 16 MiB/s of it is done
+        copied = min(size, (time.monotonic() - started) * rate)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        first_line_after = None
+        while first_line_after is None and proc.poll() is None:
+            if os.read(proc.stderr.fileno(), 4096):  # the line comes at once, before the clean-up
+                first_line_after = time.monotonic() - sent
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    left = (size - copied) / rate  # what waiting for the file's end would have taken, at least
+    assert proc.returncode == 130, err
+    assert first_line_after is not None and first_line_after < 1.0, first_line_after
+    assert took < min(4.0, left / 2), f"{took:.1f}s from SIGINT to exit; the file had {left:.1f}s to go"
+    assert temp_files(tmp_path) == []
+    again = stage("mirror", "--node", "dgx1", "--manifest", manifest)
+    assert again.returncode == 0, again.stderr  # the lock was released
+    assert stage("verify", "--node", "dgx1", "--full", "--manifest", manifest).returncode == 0
+
+
+# ---- 12. scripts/hubgen.py as a command ---------------------------------------------------------------
+
+def hubgen_cli(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "hubgen.py"), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, timeout=300, env=_clean_env())
+
+
+def test_hubgen_has_a_command_line_that_builds_hubs_stage_can_serve(tmp_path):
+    usage = hubgen_cli("--help", cwd=tmp_path)
+    assert usage.returncode == 0 and all(word in usage.stdout for word in ("demo", "hub", "engram")), usage
+    assert "--size SIZE" in hubgen_cli("hub", "-h", cwd=tmp_path).stdout
+    made = hubgen_cli("hub", "h", "--size", "24MiB", "--files", "3", "--small-files", "4", cwd=tmp_path)
+    manifest = Path(made.stdout.strip())
+    assert made.returncode == 0 and manifest == tmp_path / "h" / "cluster.toml", made
+    snapshot = next((tmp_path / "h" / "nas" / "hf" / "hub" / "models--acme--Model" / "snapshots").iterdir())
+    weights = sorted(snapshot.glob("*.safetensors"))
+    assert len(weights) == 3 and abs(sum(w.stat().st_size for w in weights) - 24 * MiB) < 4096
+    assert len(list((snapshot / "extra").iterdir())) == 4
+    assert stage("mirror", "--node", "node1", "-q", "--manifest", manifest).returncode == 0
+    assert stage("verify", "--node", "node1", "--full", "-q", "--manifest", manifest).returncode == 0
+    from huggingface_hub import snapshot_download
+    from safetensors import safe_open
+
+    local = snapshot_download("acme/Model", cache_dir=tmp_path / "h" / "nvme" / "hf" / "hub", local_files_only=True)
+    with safe_open(os.path.join(local, weights[0].name), "numpy") as staged:
+        assert list(staged.keys())  # the staged weight loads
+
+    engram = hubgen_cli("engram", "e", "--rows", "3001", "--world", "2", "--layers", "3", cwd=tmp_path)
+    manifest = Path(engram.stdout.strip())
+    assert engram.returncode == 0 and stage("mirror", "--node", "node1", "--manifest", manifest).returncode == 0
+    packed = json.loads(stage("pack-engram", "--node", "node1", "--json", "--manifest", manifest).stdout)
+    assert [(s["layer"], s["rank"], s["world"]) for s in packed["shards"]] == [(3, 0, 2), (3, 1, 2)]
+    assert stage("verify", "--node", "node1", "--full", "--manifest", manifest).returncode == 0
+
+    demo = hubgen_cli("demo", "d", cwd=tmp_path)
+    assert demo.returncode == 0 and stage("mirror", "--node", "dgx1", "--manifest", demo.stdout.strip()).returncode == 0
+    again = hubgen_cli("demo", "d", cwd=tmp_path)  # DIR holds a hub now: refused unless --force
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "--force" in again.stderr
+    assert hubgen_cli("--force", "demo", "d", cwd=tmp_path).returncode == 0
+    bad = hubgen_cli("hub", "x", "--size", "12X", cwd=tmp_path)
+    assert bad.returncode == 2 and "--size" in bad.stderr and not (tmp_path / "x").exists()

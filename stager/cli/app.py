@@ -117,7 +117,27 @@ def _on_signal(signum: int, _frame) -> None:
     # A second signal while the first one's clean-up runs ends the process the default way.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise Signalled(signum)
+    signalled = Signalled(signum)
+    _announce(signalled)
+    raise signalled
+
+
+def _singular(noun: str) -> str:
+    return noun[:-3] + "y" if noun.endswith("ies") else noun.removesuffix("s")
+
+
+def _announce(signalled: Signalled) -> None:
+    """The run's one stderr line, at once: a Ctrl-C with copies in flight was silent for as long
+    as they took. Written straight to the descriptor: the signal may have arrived in the middle of
+    a write to sys.stderr, which a second write through the same buffer would refuse."""
+    from stager.workers import in_flight
+
+    busy = ", ".join(f"{n} {noun if n != 1 else _singular(noun)}" for noun, n in sorted(in_flight().items()))
+    line = f"stage: {signalled.message}" + (f", stopping {busy} in flight..." if busy else "")
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 def main() -> None:
@@ -149,8 +169,8 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             _shell_contract(sub)
         result = command.main(args=argv, prog_name="stage", standalone_mode=False)
         return (result if isinstance(result, int) else 0), None, None
-    except Signalled as exc:
-        return exc.exit_code, exc.message, exc.message
+    except Signalled as exc:  # its line is on stderr already (see _announce)
+        return exc.exit_code, None, exc.message
     except typer.Abort:  # click's own reading of Ctrl-C (at a prompt, say)
         return 128 + signal.SIGINT, "interrupted", "interrupted"
     except typer.TyperException as exc:  # usage: unknown option, missing --node, ...
