@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from stager import identity, store_modes
-from stager.atomic import SyncBatch, atomic_file, atomic_symlink, atomic_write_bytes, ensure_dir, fsync_dir, sweep_temps
+from stager.atomic import AtomicFile, SyncBatch, atomic_file, atomic_symlink, atomic_write_bytes, ensure_dir, fsync_dir, sweep_temps
 from stager.copier import SourceChanged, copy_into
 from stager.errors import CannotRun, StageError
 from stager.fingerprint import Digest, Verdict, judge, new_hasher, sampled_digest
@@ -250,7 +250,7 @@ def _blob_end_first(links: tuple[MakeLink, ...]) -> list[MakeLink]:
 
 
 class _Mismatch(Exception):
-    pass
+    """The bytes are not the source's (land_verified's refusal)."""
 
 
 def _unchanged_during_copy(reader, before: tuple[int, ...], copied_sample: Digest, seed: int) -> None:
@@ -271,10 +271,25 @@ def _unchanged_during_copy(reader, before: tuple[int, ...], copied_sample: Diges
 
 def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, full: bool, progress,
                    batch: SyncBatch | None = None) -> None:
-    """Copy one file and check it *before* the rename, so a wrong byte never gets a final name.
+    """Copy one file from the source and check it *before* the rename (see land_verified)."""
+    land_verified(copy, source, local_hub, cache, full,
+                  lambda reader, out, hasher: copy_into(reader, out, copy.size, hasher, progress), batch)
 
-    --full hashes the stream during the copy (one read) against the reference;
-    the default re-reads the sampled regions of the temp file against the source.
+
+Fill = Callable[[object, AtomicFile, object], None]
+
+
+def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, full: bool, fill: Fill,
+                  batch: SyncBatch | None = None) -> None:
+    """Put one file's bytes into a temp file beside its final name with `fill(reader, out, hasher)`
+    and check them *before* the rename, so a wrong byte never gets a final name.
+
+    `reader` is the source's file, opened for the copy; `fill` writes copy.size bytes into `out`
+    (a copy from the source, or bytes from elsewhere that must match it, as the fleet's
+    broadcast lands them) and feeds them to `hasher` in file order when there is one. The
+    check is the same whoever filled the file: --full hashes the stream (one read) against the
+    reference; the default re-reads the sampled regions of the temp file against the source.
+    Raises OSError (SourceChanged among them) or a mismatch; the temp file is then discarded.
     """
     dest = inside(local_hub, copy.dest)
     reader = source.open(copy.source, uncached=True, sequential=True)
@@ -289,7 +304,7 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
             cache.remember(copy.source, sampled_digest(reader, cache.seed))
         with atomic_file(dest, size_hint=copy.size, mtime_ns=copy.mtime_ns, sync_dir=False, batch=batch,
                          chmod=store_modes.file_mode(local_hub, copy.dest)) as out:
-            copy_into(reader, out, copy.size, hasher, progress)
+            fill(reader, out, hasher)
             if full:
                 got = Digest(copy.reference.method, copy.size, hasher.hexdigest())
                 if copy.reference.value is None:

@@ -17,7 +17,7 @@ from stager.atomic import check_writable, nearest_existing
 from stager.errors import BadInput, CannotRun
 from stager.execute import execute, publish_refs
 from stager.hub import ExcludeError, Pending, Problem, RepoSnapshot, require_hub, walk_for_node
-from stager.lock import HUB_LOCK, LockTable, writer_lock
+from stager.lock import HUB_LOCK, PROC_LOCKS, LockTable, writer_lock
 from stager.manifest import Manifest
 from stager.observe import DigestCache, observe
 from stager.plan import Plan, make_plan
@@ -250,7 +250,11 @@ def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source
     report.pending = [s.pending for s in snapshots if s.pending]
     report.against = reference.url
     if any(_mirror_repairs(p, job.local_hub) for p in report.problems):
-        report.repairs.append(hints.command("mirror", "--node", job.node, *(["--full"] if full else [])))
+        # The mirror re-checks with the check that found the damage: --full, or the same seed. A
+        # repair with a fresh seed sampled other spans, called the damaged file matching, and exited
+        # 0 with nothing copied while the verify that printed it kept failing.
+        check = ["--full"] if full else ["--seed", job.seed]
+        report.repairs.append(hints.command("mirror", "--node", job.node, *check))
     report.notes.extend(writers)
     return report
 
@@ -259,7 +263,11 @@ def _writer_at_work(local_hub: Path) -> list[str]:
     """A note when another process holds the hub's writer lock: a verify run beside a mirror
     (a launcher's gate while cron mirrors a moved ref) sees that mirror's work half done. The lock
     is read from the kernel's table, never taken: taking it would make the mirror refuse."""
-    state, pid = LockTable.read().state(local_hub / HUB_LOCK)
+    lock = local_hub / HUB_LOCK
+    state, pid = LockTable.read().state(lock)
+    if state == "unsure" and os.path.lexists(lock):
+        return [f"cannot tell from {PROC_LOCKS} whether a stage mirror is writing {local_hub} now; if one is, "
+                "what it has not finished shows as problems"]
     if state != "held" or pid == os.getpid():
         return []
     return [f"a stage mirror (pid {pid}) is writing {local_hub} now: what it has not finished shows as "

@@ -113,9 +113,10 @@ def test_printed_repairs_run_and_repair(tmp_path):
     staged = tmp_path / "demo" / "nvme" / "hf" / "hub"
     victim = next(staged.glob("models--acme--Flash-drafter/snapshots/*/model.safetensors"))
     os.unlink(os.path.realpath(victim))
-    broken = stage("verify", "--node", "dgx1", "--manifest", rel, cwd=tmp_path)
+    broken = stage("verify", "--node", "dgx1", "--seed", "4242", "--manifest", rel, cwd=tmp_path)
     assert broken.returncode == 1
-    assert run_hints(broken.stdout, tmp_path) == [f"stage mirror --node dgx1 --manifest {rel}"]
+    # The repair repeats the check that found the damage: the verify's own seed.
+    assert run_hints(broken.stdout, tmp_path) == [f"stage mirror --node dgx1 --seed 4242 --manifest {rel}"]
     assert stage("verify", "--node", "dgx1", "--manifest", rel, cwd=tmp_path).returncode == 0
 
     # dgx2 has Engram shards configured. Before its mirror, verify says how to get the checkpoint;
@@ -135,7 +136,8 @@ def test_printed_repairs_run_and_repair(tmp_path):
     # A manifest given as $STAGE_MANIFEST is named in the hint too, so the hint runs without it.
     os.unlink(os.path.realpath(victim))
     from_env = stage("verify", "--node", "dgx1", cwd=tmp_path, env={"STAGE_MANIFEST": str(manifest)})
-    assert run_hints(from_env.stdout, tmp_path) == [f"stage mirror --node dgx1 --manifest {manifest}"]
+    [hint] = run_hints(from_env.stdout, tmp_path)
+    assert re.fullmatch(rf"stage mirror --node dgx1 --seed \d+ --manifest {re.escape(str(manifest))}", hint), hint
 
 
 # ---- 3. stdout is the result, stderr the rest ---------------------------------------------------------

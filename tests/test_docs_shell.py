@@ -49,6 +49,8 @@ NOT_RUN = {
         "installs into the host's /etc; tests/test_audit.py runs the cron line's command",
     ("operations.md", "install -m 644 scripts/stage-audit.service scripts/stage-audit.timer /etc/systemd/system/"):
         "needs systemd as PID 1; tests/test_slurm.py and test_cli_contract.py check the units",
+    ("operations.md", "stage audit --node dgx1                          # what is reclaimable, what is in use, the prune command"):
+        "archives /nvme shards to /mnt/archive on the host and runs Ray; tests/test_prune.py prunes real hubs",
     ("operations.md", "mkdir -p /mnt/archive/dgx1-tp2          # DEST must exist (see below)"):
         "writes /nvme and /mnt/archive on the host; tests/test_archive.py runs the same commands on temp paths",
     ("operations.md", "# NFS: attributes may be stale; stage never trusts them (it samples the bytes)."):

@@ -26,7 +26,9 @@ def fleet(
     timeout: TimeoutOpt = 3600,
     fan_out: Annotated[bool, typer.Option("--fan-out", help="mirror: one node from the NAS, the rest from staged peers over SFTP (--transport sftp)")] = False,
     transport: Annotated[Optional[str], typer.Option(
-        "--transport", help="mirror: how shared bytes move: nas (every node reads its source), sftp (the peer tree)")] = None,
+        "--transport", help="mirror: how bytes several nodes need move: broadcast (default with 2+ node addresses), sftp (the peer tree), nas (every node reads its source)")] = None,
+    ports: Annotated[Optional[str], typer.Option(
+        "--ports", metavar="LOW-HIGH", help="mirror --transport broadcast: TCP ports the relays listen on (default: any)")] = None,
     full: FullOpt = False,
     subset: Annotated[Optional[str], typer.Option("--subset", help="verify: check bucket N of T (N/T) on every node")] = None,
     allow_unauthenticated_cluster: Annotated[bool, typer.Option(
@@ -42,7 +44,7 @@ def fleet(
     from stager.manifest import load_manifest
 
     names = [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None
-    report = core.run_fleet(load_manifest(manifest), command.value, names, timeout=timeout, fan_out=fan_out, transport=transport,
+    report = core.run_fleet(load_manifest(manifest), command.value, names, timeout=timeout, fan_out=fan_out, transport=transport, ports=ports,
                             full=full, subset=subset, allow_unauthenticated=allow_unauthenticated_cluster)
     if json:
         terminal.emit_json(report.to_json())

@@ -18,6 +18,8 @@ def pack_engram(
     world: WorldOpt = None,
     layer: LayerOpt = None,
     from_nas: Annotated[bool, typer.Option("--from-nas", help="Read rows from the NAS if the model is not staged")] = False,
+    full: Annotated[bool, typer.Option("--full", help="Re-derive every row and hash every shard before calling it "
+                                                       "up to date; repack those that differ")] = False,
     dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
@@ -32,7 +34,8 @@ def pack_engram(
     loaded = load_manifest(manifest)
     try:
         name = engram.choose_node(loaded, node)
-        report = engram.pack(loaded, name, ranks=rank, world=world, layers=layer, from_nas=from_nas, dry_run=dry_run,
+        report = engram.pack(loaded, name, ranks=rank, world=world, layers=layer, from_nas=from_nas, full=full,
+                             dry_run=dry_run,
                              progress_factory=terminal.byte_progress(not json, "pack-engram"))
     except StageError as exc:
         # The message names tensors and files from the checkpoint: a newline in one must not

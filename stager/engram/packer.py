@@ -72,11 +72,13 @@ class PackReport:
 
 
 def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, world: int | None = None,
-         layers: list[int] | None = None, from_nas: bool = False, dry_run: bool = False,
+         layers: list[int] | None = None, from_nas: bool = False, full: bool = False, dry_run: bool = False,
          progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> PackReport:
     """Pack `ranks` (default: the node's) of every layer; shards that already match are skipped.
     One writer lock, one space check and one SHA256SUMS rewrite cover the whole run.
 
+    `full` judges "match" as `stage verify --full` does (every row re-derived, the file's sha256
+    against SHA256SUMS), so a shard with damage a sample cannot see is repacked.
     `dry_run` plans from what is on disk now and writes nothing (no directory, lock, temp, receipt
     or SHA256SUMS line); what would stop the real run (no write access, no space) stops it too."""
     started = time.monotonic()
@@ -90,7 +92,7 @@ def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, 
     if dry_run:
         check_writable(engram_dir)
         sums = read_sums(engram_dir / SUMS_NAME)
-        plan, _restored = _plan(specs, checkpoint, sums, secrets.randbits(32))
+        plan, _restored = _plan(specs, checkpoint, sums, secrets.randbits(32), full)
         _preflight(engram_dir, sum(spec.bytes for spec, reason in plan if reason is not None), node.reserve)
         report.shards = [PackedShard(spec, None, reason is None, reason or "up to date") for spec, reason in plan]
         report.seconds = time.monotonic() - started
@@ -99,7 +101,7 @@ def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, 
     with writer_lock(engram_dir / ENGRAM_LOCK, f"engram directory {engram_dir}"):
         sweep_temps(engram_dir)  # a killed pack leaves a hidden temp as large as the shard
         sums = read_sums(engram_dir / SUMS_NAME)
-        plan, restored = _plan(specs, checkpoint, sums, secrets.randbits(32))
+        plan, restored = _plan(specs, checkpoint, sums, secrets.randbits(32), full)
         todo = [spec for spec, reason in plan if reason is not None]
         _preflight(engram_dir, sum(spec.bytes for spec in todo), node.reserve)
         progress = progress_factory(sum(spec.bytes for spec in todo)) if progress_factory and todo else None
@@ -129,7 +131,7 @@ def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, 
 
 
 def _plan(specs: list[ShardSpec], checkpoint: Checkpoint, sums: dict[str, str],
-          seed: int) -> tuple[list[tuple[ShardSpec, str | None]], dict[str, str]]:
+          seed: int, full: bool = False) -> tuple[list[tuple[ShardSpec, str | None]], dict[str, str]]:
     """(spec, why it needs packing or None) for every shard, and the SHA256SUMS lines to restore.
 
     SHA256SUMS is written once, at the end of a run, so a run killed after some shards were
@@ -142,11 +144,11 @@ def _plan(specs: list[ShardSpec], checkpoint: Checkpoint, sums: dict[str, str],
         receipt = read_receipt(spec) if spec.path.name not in sums else None
         digest = receipt.get("sha256") if receipt else None
         if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest):
-            reason = check_shard(spec, checkpoint, {**sums, spec.path.name: digest}, seed=seed)
+            reason = check_shard(spec, checkpoint, {**sums, spec.path.name: digest}, seed=seed, full=full)
             if reason is None:
                 restored[spec.path.name] = digest
         else:
-            reason = check_shard(spec, checkpoint, sums, seed=seed)
+            reason = check_shard(spec, checkpoint, sums, seed=seed, full=full)
         plan.append((spec, reason))
     return plan, restored
 

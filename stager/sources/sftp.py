@@ -431,6 +431,10 @@ class RemoteReader:
         buffer = bytearray(max(0, min(length, self.size - offset)))
         return bytes(buffer[:self._read_at(memoryview(buffer), offset)])
 
+    def readinto_at(self, buffer: memoryview, offset: int) -> int:
+        """One positioned read into `buffer`; how many bytes it got (fewer at the end of the file)."""
+        return self._read_at(buffer, offset)
+
     def readinto(self, buffer: memoryview) -> int:
         got = self._read_at(buffer, self._pos)
         self._pos += got
