@@ -154,6 +154,16 @@ class SyncBatch:
         self.directory = Path(directory)  # any directory on the filesystem the files land on
         self._pending: list[tuple[Path, Path]] = []
         self._lock = threading.Lock()
+        # Opened before any file of the batch is written: syncfs reports the filesystem's writeback
+        # errors since *this descriptor* was opened, and each file's writeback starts (DONTNEED)
+        # before the batch commits. A descriptor opened at commit time missed an error already
+        # recorded, and the file would have been renamed.
+        self._fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -168,7 +178,7 @@ class SyncBatch:
         if not pending:
             return
         try:
-            _syncfs(self.directory)
+            _syncfs(self._fd, self.directory)
             for temp, path in pending:
                 os.replace(temp, path)
             for directory in sorted({path.parent for _, path in pending}):
@@ -186,20 +196,17 @@ class SyncBatch:
             _discard(-1, temp)
 
 
-def _syncfs(directory: Path) -> None:
-    """Write back every dirty page of the filesystem holding `directory`, and report its errors."""
+def _syncfs(fd: int, directory: Path) -> None:
+    """Write back every dirty page of the filesystem holding `directory` (open as `fd`), and report
+    its writeback errors since `fd` was opened."""
     import ctypes  # only batches need it; `stage --help` stays fast
 
     libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if not hasattr(libc, "syncfs"):
-            os.sync()  # no syncfs in this libc: sync everything, which is more, never less
-        elif libc.syncfs(fd) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code), str(directory))
-    finally:
-        os.close(fd)
+    if not hasattr(libc, "syncfs"):
+        os.sync()  # no syncfs in this libc: sync everything, which is more, never less
+    elif libc.syncfs(fd) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(directory))
 
 
 def _preallocate(fd: int, size: int) -> None:

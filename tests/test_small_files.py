@@ -38,7 +38,7 @@ REVIEWED = {
     ("sources/sftp.py", "RemoteSource.read_small", "sftp.open"): "stat() says a regular file just before",
     ("sources/sftp.py", "RemoteSource.open", "sftp.open"): "lstat() says a regular file just before",
     ("atomic.py", "fsync_dir", "os.open"): "O_DIRECTORY: anything but a directory fails at once",
-    ("atomic.py", "_syncfs", "os.open"): "O_DIRECTORY: anything but a directory fails at once",
+    ("atomic.py", "SyncBatch.__init__", "os.open"): "O_DIRECTORY: anything but a directory fails at once",
     ("atomic.py", "_create_temp", "os.open"): "O_CREAT|O_EXCL|O_NOFOLLOW: a new file of our own",
     ("atomic.py", "open_for_write", "os.open"): "O_NONBLOCK|O_NOFOLLOW, then S_ISREG through the descriptor",
     ("verify.py", "_drop_cache", "os.open"): "O_NONBLOCK|O_NOFOLLOW and never read: only a page-cache hint",
