@@ -2,14 +2,26 @@
 
 Nothing here talks to a network: files are written with the exact layout that
 huggingface_hub 1.x/2.x produces, including the hub-level shared blob store.
+
+As a command (`python scripts/hubgen.py -h`), each subcommand writes DIR/nas/hf/hub and a
+DIR/cluster.toml for it, and prints the manifest's path:
+
+    hubgen.py demo DIR [--scale N]                   the demo NAS (scripts/make_demo_nas.py's)
+    hubgen.py hub DIR --size 8GiB --files 4          one model of that size in that many weight files
+    hubgen.py engram DIR --rows 100000 --world 8     an Engram checkpoint, and a node that packs it
+
+As a library (tests, scripts/bench.py): Hub, Snapshot, add_engram_checkpoint, build_demo, ...
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import shutil
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -371,3 +383,150 @@ def build_demo(root: Path, *, scale: int = 1, engram_node: str = "dgx1") -> Path
     manifest = root / "cluster.toml"
     manifest.write_text(demo_manifest(root, nas, engram_node))
     return manifest
+
+
+def build_sized_hub(root: Path, *, size: int, files: int, repo_id: str = "acme/Model", small_files: int = 0,
+                    shared: bool = True) -> Path:
+    """A NAS hub under root/nas/hf/hub holding `repo_id`: `files` streamed safetensors weights of
+    `size` bytes in all (never held in memory), a config.json, an index, and `small_files` git
+    blobs of 1-64 KiB; root/cluster.toml stages it onto node `node1` (root/nvme/hf/hub)."""
+    root = Path(root).resolve()
+    nas = root / "nas" / "hf" / "hub"
+    snap = Hub(nas).repo(repo_id).snapshot()
+    snap.add_git("config.json", json.dumps({"architectures": ["ModelForCausalLM"]}).encode())
+    index: dict = {"metadata": {"total_size": 0}, "weight_map": {}}
+    for i in range(1, files + 1):
+        name = f"model-{i:05d}-of-{files:05d}.safetensors"
+        tensor = max(16, size // files - 128)
+        blob_size, chunks = streamed_safetensors(i, tensor)
+        snap.add_lfs_stream(name, blob_size, chunks, shared=shared and i % 2 == 1)
+        index["weight_map"][f"model.layers.{i}.weight"] = name
+        index["metadata"]["total_size"] += blob_size
+    snap.add_git("model.safetensors.index.json", json.dumps(index, indent=2).encode())
+    for i in range(small_files):
+        snap.add_git(f"extra/file-{i:05d}.json", pseudo_random(10_000 + i, 1024 * (1 + (i * 37) % 64)))
+    snap.finish()
+    manifest = root / "cluster.toml"
+    manifest.write_text(f"""[nas]
+hub = "{nas}"
+
+[models."{repo_id}"]
+revision = "main"
+
+[nodes.node1]
+hub = "{root}/nvme/hf/hub"
+models = ["{repo_id}"]
+""")
+    return manifest
+
+
+def build_engram_hub(root: Path, *, rows: int, layers: tuple[int, ...], world: int,
+                     repo_id: str = "acme/Engram") -> Path:
+    """A NAS hub under root/nas/hf/hub holding an Engram checkpoint of `rows` rows per layer;
+    root/cluster.toml stages it onto node `node1`, which packs every rank of TP `world`."""
+    root = Path(root).resolve()
+    nas = root / "nas" / "hf" / "hub"
+    add_engram_checkpoint(Hub(nas), repo_id, layers=layers, rows=rows, streamed=True)
+    manifest = root / "cluster.toml"
+    manifest.write_text(f"""[nas]
+hub = "{nas}"
+
+[models."{repo_id}"]
+revision = "main"
+
+[nodes.node1]
+hub = "{root}/nvme/hf/hub"
+models = ["{repo_id}"]
+engram_dir = "{root}/nvme/engram"
+ranks = {list(range(world))}
+
+[engram]
+model = "{repo_id}"
+world = {world}
+""")
+    return manifest
+
+
+def _size(text: str) -> int:
+    from stager.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer numbers such as 1,14, got {text!r}") from None
+    if any(layer < 0 for layer in layers) or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"expected distinct layer numbers >= 0, got {text!r}")
+    return layers
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="hubgen.py", description="Write a Hugging Face hub cache as a NAS holds it (DIR/nas/hf/hub) and a "
+                                      "manifest for it (DIR/cluster.toml); print the manifest's path.")
+    top.add_argument("--force", action="store_true", help="replace DIR if it exists (default: refuse)")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser("demo", help="the demo NAS: two models with a real NAS's traps, nodes dgx1 and dgx2",
+                               description="The demo NAS of scripts/make_demo_nas.py and the README.")
+    demo.add_argument("dir", metavar="DIR", type=Path)
+    demo.add_argument("--scale", type=_count, default=1, metavar="N", help="weights N times the default size (4 MiB)")
+    demo.add_argument("--engram-node", choices=["dgx1", "dgx2"], default="dgx2",
+                      help="the node that packs Engram shards (default dgx2, a node of its own)")
+    hub = commands.add_parser("hub", help="one model of a given size in a given number of weight files",
+                              description="One model of SIZE bytes in FILES safetensors weights (streamed, any size), "
+                                          "half of them in the hub-level shared blob store; node node1 stages it.")
+    hub.add_argument("dir", metavar="DIR", type=Path)
+    hub.add_argument("--size", type=_size, required=True, metavar="SIZE", help="total weight bytes (8GiB, 500MB, ...)")
+    hub.add_argument("--files", type=_count, default=4, metavar="N", help="weight files (default 4)")
+    hub.add_argument("--small-files", type=int, default=0, metavar="N", help="also N git blobs of 1-64 KiB")
+    hub.add_argument("--repo", default="acme/Model", metavar="ORG/NAME", help="repo id (default acme/Model)")
+    hub.add_argument("--no-shared-store", action="store_true", help="every blob in the repo's own blobs/")
+    engram = commands.add_parser("engram", help="an Engram checkpoint, and a node that packs every rank",
+                                 description="A DeepSeek-V4-style Engram checkpoint (F8_E4M3 weight and F8_E8M0 "
+                                             "scale per layer); node node1 stages it and packs every rank.")
+    engram.add_argument("dir", metavar="DIR", type=Path)
+    engram.add_argument("--rows", type=_count, default=4099, metavar="N", help="rows per layer (264 bytes each)")
+    engram.add_argument("--layers", type=_layers, default=(1, 14), metavar="L,L", help="layer ids (default 1,14)")
+    engram.add_argument("--world", type=_count, default=3, metavar="TP", help="TP size (default 3)")
+    engram.add_argument("--repo", default="acme/Engram", metavar="ORG/NAME", help="repo id (default acme/Engram)")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    root: Path = args.dir
+    occupied = any(root.iterdir()) if root.is_dir() else os.path.lexists(root)  # an empty DIR is fine
+    if occupied:
+        if not args.force:
+            print(f"hubgen.py: {root} exists; use --force to replace it", file=sys.stderr)
+            return 2
+        shutil.rmtree(root) if root.is_dir() and not root.is_symlink() else root.unlink()
+    if args.command == "demo":
+        manifest = build_demo(root, scale=args.scale, engram_node=args.engram_node)
+    elif args.command == "hub":
+        manifest = build_sized_hub(root, size=args.size, files=args.files, repo_id=args.repo,
+                                   small_files=args.small_files, shared=not args.no_shared_store)
+    else:
+        manifest = build_engram_hub(root, rows=args.rows, layers=args.layers, world=args.world, repo_id=args.repo)
+    print(manifest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,7 @@ role=stage-epilog
 . "$(dirname "$(readlink -f "$0")")/slurm-common.sh"
 
 run_stage verify --node "$STAGE_NODE"
+skip_absent_node
 [ "$rc" -eq 0 ] && exit 0
 say "job ${SLURM_JOB_ID:-?} on $STAGE_NODE: stage verify exit $rc ($(meaning "$rc")): ${error:-see stage verify}; repairing"
 run_stage mirror --node "$STAGE_NODE" --wait "$STAGE_WAIT"

@@ -11,4 +11,5 @@ role=stage-prolog
 . "$(dirname "$(readlink -f "$0")")/slurm-common.sh"
 
 run_stage mirror --node "$STAGE_NODE" --wait "$STAGE_WAIT"
+skip_absent_node
 finish "$rc" "stage mirror" "$error"

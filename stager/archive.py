@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
-from stager.atomic import TEMP_MARK, atomic_file, ensure_dir, fsync_dir, is_temp_name, sweep_temps
+from stager.atomic import TEMP_MARK, atomic_file, check_writable, ensure_dir, fsync_dir, is_temp_name, sweep_temps
 from stager.copier import SourceChanged, copy_into
 from stager.engram.shard_format import parse_shard_name
 from stager.errors import BadInput, CannotRun
@@ -126,10 +126,14 @@ class ArchiveReport:
     moved_txt: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    dry_run: bool = False
+    would_move: list[dict] = field(default_factory=list)  # --dry-run: {path, to, bytes, action, reason}
 
     def to_json(self) -> dict:
         return {
             "dest": self.dest,
+            "dry_run": self.dry_run,
+            "would_move": self.would_move,
             "files": self.moved,
             "moved_files": len(self.moved),
             "moved_bytes": sum(m["bytes"] for m in self.moved),
@@ -156,7 +160,7 @@ def protected_places(manifest: str | None) -> tuple[str, ...]:
     path = resolve_manifest_path(manifest)
     if not manifest and not os.environ.get(MANIFEST_ENV) and not path.exists():
         return ()
-    loaded = load_manifest(path)
+    loaded = load_manifest(manifest)
     node_sources = [node.source for node in loaded.nodes.values() if node.source]
     return tuple(dict.fromkeys(map(resolved, loaded.local_sources(node_sources))))
 
@@ -509,7 +513,7 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def archive(sources: list[str], dest: str, *, protected: tuple[str, ...] = (),
+def archive(sources: list[str], dest: str, *, protected: tuple[str, ...] = (), dry_run: bool = False,
             progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> ArchiveReport:
     started = time.monotonic()
     dest_dir = check_dest(dest, protected)
@@ -517,7 +521,9 @@ def archive(sources: list[str], dest: str, *, protected: tuple[str, ...] = (),
     walked = walk_sources(named, dest_dir)
     check_targets(walked, dest_dir, named, protected)
     report = ArchiveReport(str(dest_dir), skipped=list(walked.skipped), problems=list(walked.problems),
-                           already_archived=list(walked.already_archived))
+                           already_archived=list(walked.already_archived), dry_run=dry_run)
+    if dry_run:
+        return _dry_run(report, walked, dest_dir, started)
     with writer_lock(dest_dir / ARCHIVE_LOCK, f"archive {dest_dir}"), _engram_locks(walked):
         refuse_unusable_records(walked, dest_dir)
         for leftover in walked.leftovers:  # a killed run's; only this tool writes these names
@@ -546,6 +552,37 @@ def archive(sources: list[str], dest: str, *, protected: tuple[str, ...] = (),
         for batch in _batches(steps):
             mover.move(batch, progress)
         report.moved_txt = sorted(mover.moved_txt)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _dry_run(report: ArchiveReport, walked: Walked, dest_dir: Path, started: float) -> ArchiveReport:
+    """The real run's checks and plan, from what is on disk now, with nothing written: no lock, no
+    temp, no record, no leftover swept. Each file that would move is listed in `would_move`; what
+    would stop the real run (a record that is a link, no space, no write access to DEST) ends this
+    one the same way, and a source the real run could not delete is the same not_deleted problem."""
+    refuse_unusable_records(walked, dest_dir)
+    files, busy = in_use(walked.files)
+    report.problems.extend(busy)
+    looks = look_at_dest(files, dest_dir)
+    steps = [plan_step(f, looks[f.name]) for f in files]
+    refused = [s for s in steps if s.action == "refuse"]
+    report.problems.extend(Problem(str(s.file.path), "collision", s.detail) for s in refused)
+    if not refused:
+        preflight(steps, dest_dir)
+        for directory in sorted({dest_dir} | {(dest_dir / s.file.name).parent for s in steps}):
+            check_writable(directory)  # the real run ends with exit 3 here too
+        for step in steps:
+            # The real run copies these and keeps the source, with a not_deleted problem (exit 1).
+            try:
+                check_writable(step.file.path.parent)
+            except OSError as exc:
+                report.problems.append(Problem(str(step.file.path), "not_deleted", (
+                    f"would be copied and verified, but MOVED.txt could not be written in {step.file.path.parent} "
+                    f"({exc.strerror}); the source would be kept")))
+        report.would_move = [{"path": str(s.file.path), "to": str(dest_dir / s.file.name), "bytes": s.file.size,
+                              "action": s.action, "reason": s.detail or "not in DEST"} for s in steps]
+        report.notes.extend(_same_filesystem_notes(walked, dest_dir))
     report.seconds = time.monotonic() - started
     return report
 

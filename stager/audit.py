@@ -1,8 +1,9 @@
 """`stage audit --node NAME`: will the node's staging fit, and what could be reclaimed? Made for cron.
 
 Exit codes follow the Nagios plugin convention, because monitoring wires this command in:
-0 OK, 1 WARNING (less than 2x reserve would remain after staging), 2 CRITICAL (needed + reserve
-does not fit), 3 UNKNOWN (a path cannot be read, the NAS cannot be walked, the manifest is bad).
+0 OK, 1 WARNING (less than 2x reserve would remain after staging, or a pending NAS revision idle
+for longer than nas.pending_warn_after), 2 CRITICAL (needed + reserve does not fit), 3 UNKNOWN
+(a path cannot be read, the NAS cannot be walked, the manifest is bad).
 Each filesystem under nodes.X.hub and nodes.X.engram_dir is judged on its own (one that holds
 both is counted once); the node's status is the worst of them.
 
@@ -35,26 +36,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager import __version__
-from stager.atomic import atomic_write_bytes, is_temp_name
+from stager.atomic import atomic_write_bytes
 from stager.errors import StageError, describe_os_error
 from stager.fingerprint import Verdict
-from stager.hub import MAX_HOPS, Problem, repo_dir_name
-from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, HUB_LOCK, PROC_LOCKS, LockTable
-from stager.manifest import Manifest, load_manifest
+from stager import hints, reclaim
+from stager.hub import Pending, Problem, format_duration, repo_dir_name
+from stager.manifest import MANIFEST_ENV, Manifest, default_in_use, load_manifest
 from stager.mirror import node_job, walk
 from stager.plan import LocalState, final_files, make_plan
 from stager.small_files import read_regular
 from stager.text import printable
 from stager.units import format_size
 
+PRUNE_JOURNAL = ".locks/stage-journal.jsonl"  # the node's journal; huggingface_hub's scanner skips .locks/
+
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 STATUS_NAMES = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
-# A temp file untouched for this long may be interrupted; whether it is, the writer locks of the
-# tree it lies in decide (stale_temps, guarding_locks).
-STALE_SECONDS = 3600
 TOP_RECLAIMABLE = 10
-ORPHAN_KINDS = ("blob", "shared-blob", "shard", "temp")
-REPO_KINDS = ("models", "datasets", "spaces")
+ORPHAN_KINDS = reclaim.ORPHAN_KINDS
+ARCHIVE_PLACEHOLDER = "ARCHIVE_DIR"  # where the operator keeps old shards: the archive host's mount
 
 
 def shown(text: str) -> str:
@@ -117,30 +117,19 @@ class Filesystem:
                 "status": STATUS_NAMES[self.status]}
 
 
-@dataclass(frozen=True)
-class Orphan:
-    """Something on the node's disks that nothing staged needs, and the bytes removing it frees."""
-
-    path: str
-    kind: str  # blob | shared-blob | shard | temp | unlisted-repo
-    bytes: int
-    detail: str
-
-    def to_json(self) -> dict:
-        return {"path": self.path, "kind": self.kind, "bytes": self.bytes, "detail": self.detail}
-
-
 @dataclass
 class AuditReport:
     node: str
     reserve: int = 0
     filesystems: list[Filesystem] = field(default_factory=list)
     needs: list[Need] = field(default_factory=list)
-    orphans: list[Orphan] = field(default_factory=list)
-    unlisted: list[Orphan] = field(default_factory=list)  # reclaimable, but not orphans: whole repos
-    live_temps: list[Orphan] = field(default_factory=list)  # old-looking temp files a writer may still own
+    plan: reclaim.Plan = field(default_factory=lambda: reclaim.Plan(()))  # what `stage prune` would remove
+    snapshots: list = field(default_factory=list)  # the NAS walk: which revisions the manifest wants
+    pruned_total: int = 0  # bytes `stage prune` has removed from the node, over all runs (its journal)
     problems: list[Problem] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # why the answer cannot be trusted
+    pending: list[Pending] = field(default_factory=list)  # NAS revisions still downloading; the node stays put
+    pending_warn_after: int = 6 * 3600  # nas.pending_warn_after: idle longer than this is a WARNING
     seconds: float = 0.0
     finished_at: float = 0.0
     prom: str | None = None
@@ -149,11 +138,35 @@ class AuditReport:
     def status(self) -> int:
         if self.unknown:
             return UNKNOWN
-        return max((fs.status for fs in self.filesystems), default=OK)
+        # A download killed for good on the NAS would otherwise leave every node on its old
+        # revision, healthy by every exit code, for ever.
+        stalled = WARNING if self.overdue else OK
+        return max([stalled, *(fs.status for fs in self.filesystems)])
 
     @property
-    def reclaimable(self) -> list[Orphan]:
-        return sorted(self.orphans + self.unlisted, key=lambda o: (-o.bytes, o.path))[:TOP_RECLAIMABLE]
+    def overdue(self) -> list[Pending]:
+        return [p for p in self.pending if p.idle_seconds > self.pending_warn_after]
+
+    @property
+    def orphans(self) -> list[reclaim.Item]:
+        return sorted((i for i in self.plan.items if i.kind in ORPHAN_KINDS), key=lambda o: (o.kind, o.path))
+
+    @property
+    def live_temps(self) -> tuple[reclaim.Kept, ...]:
+        return self.plan.live_temps
+
+    @property
+    def reclaimable(self) -> list[reclaim.Item]:
+        return sorted(self.plan.items, key=lambda o: (-o.bytes, o.path))[:TOP_RECLAIMABLE]
+
+    def prune_command(self) -> str | None:
+        """The `stage prune` that removes what the audit lists (the same rule, run under the lock)."""
+        return hints.command("prune", "--node", self.node) if self.plan.items else None
+
+    def archive_command(self) -> str | None:
+        """Shards are derived data (pack-engram rebuilds them); archiving keeps them instead."""
+        shards = [i.path for i in self.plan.items if i.kind == "shard"]
+        return hints.command("archive", *shards, ARCHIVE_PLACEHOLDER) if shards else None
 
     @property
     def reason(self) -> str:
@@ -161,12 +174,22 @@ class AuditReport:
         if self.unknown:
             return "; ".join(shown(why) for why in self.unknown)
         worst = [fs for fs in self.filesystems if fs.status == self.status] or self.filesystems
-        reason = "; ".join(fs.why() for fs in worst) or "nothing to check"
+        reason = "; ".join([*(self.pending_why(p) for p in self.overdue),
+                            *(fs.why() for fs in worst),
+                            *(self.pending_why(p) for p in self.pending if p not in self.overdue)]) or "nothing to check"
         top = self.reclaimable
         if self.status != OK and top:
-            total = sum(o.bytes for o in self.orphans + self.unlisted)
+            total = self.plan.bytes
             reason += f"; reclaimable {format_size(total)}, largest {shown(top[0].path)} ({format_size(top[0].bytes)})"
         return reason
+
+    def pending_why(self, item: Pending) -> str:
+        limit = format_duration(self.pending_warn_after)
+        why = (f"{shown(item.repo_id)} {shown(item.revision)}: the NAS's {item.commit[:12]} is incomplete, "
+               f"no progress for {format_duration(item.idle_seconds)}; the node stays on {item.serving[:12]}")
+        if item.idle_seconds > self.pending_warn_after:
+            return why + f" (over nas.pending_warn_after {limit}: finish or remove that download on the NAS)"
+        return why
 
     @property
     def succeeded(self) -> bool:
@@ -201,8 +224,16 @@ class AuditReport:
             "orphan_bytes": sum(o.bytes for o in self.orphans),
             "live_temps": [o.to_json() for o in self.live_temps],
             "reclaimable": [o.to_json() for o in self.reclaimable],
-            "reclaimable_bytes": sum(o.bytes for o in self.orphans + self.unlisted),
+            "reclaimable_bytes": self.plan.bytes,
+            "reclaim": [o.to_json() for o in self.plan.items],
+            "in_use": [u.to_json() for u in self.plan.in_use],
+            "kept": [k.to_json() for k in self.plan.kept],
+            "prune_command": self.prune_command(),
+            "archive_command": self.archive_command(),
+            "pruned_bytes_total": self.pruned_total,
             "problems": [p.to_json() for p in self.problems],
+            "pending": [{**p.to_json(), "overdue": p.idle_seconds > self.pending_warn_after} for p in self.pending],
+            "pending_warn_after_seconds": self.pending_warn_after,
             "estimate": "size-only",
             "prom": self.prom,
             "seconds": round(self.seconds, 3),
@@ -216,6 +247,8 @@ def model_needs(manifest: Manifest, node: str, report: AuditReport) -> list[Need
     """The mirror's walk and plan, over size-only local states (see the module doc)."""
     job = node_job(manifest, node, None, jobs=1, seed=0)
     snapshots = walk(job)
+    report.snapshots = snapshots
+    report.pending = [snap.pending for snap in snapshots if snap.pending]
     for snap in snapshots:
         report.problems.extend(snap.problems)
         for problem in snap.problems:
@@ -294,214 +327,17 @@ def _mount_point(path: Path, dev: int) -> str:
     return str(path)
 
 
-# ---------------------------------------------------------------- orphans
-
-
-def _lstat(path: str | Path) -> os.stat_result | None:
-    """lstat, or None for an entry gone since it was listed. Mirrors, pack-engram and downloads
-    rename and delete while the audit runs; one such entry used to make the whole audit UNKNOWN."""
-    try:
-        return os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def hub_orphans(hub: Path, wanted: set[str]) -> tuple[list[Orphan], list[Orphan]]:
-    """(orphans, unlisted repos). A blob is an orphan when no snapshot's link chain reaches it;
-    a shared-store payload when no chain from any repo reaches it."""
-    if not hub.is_dir():
-        return [], []
-    root = os.path.realpath(hub)
-    repos = [e for e in _scandir(root) if e.is_dir(follow_symlinks=False) and e.name.split("--")[0] in REPO_KINDS
-             and "--" in e.name]
-    reached: set[str] = set()
-    for repo in repos:
-        for path in _files_under(os.path.join(repo.path, "snapshots")):
-            _follow(path, reached)
-    orphans = []
-    for repo in repos:
-        for blob in _scandir(os.path.join(repo.path, "blobs")):
-            if blob.path in reached or _is_partial(blob.name):
-                continue
-            st = _lstat(blob.path)
-            if st is None:
-                continue
-            detail = "no snapshot links to this blob"
-            if stat.S_ISLNK(st.st_mode):
-                try:
-                    detail += f" (a link to {os.readlink(blob.path)})"
-                except (FileNotFoundError, OSError):
-                    pass  # replaced since the lstat; still a name no snapshot reaches
-            orphans.append(Orphan(blob.path, "blob", st.st_size, detail))
-    for bucket in _scandir(os.path.join(root, "blobs")):
-        if not bucket.is_dir(follow_symlinks=False):
-            continue
-        for payload in _scandir(bucket.path):
-            if payload.path in reached or payload.name.endswith(".refs") or _is_partial(payload.name):
-                continue
-            st = _lstat(payload.path)
-            if st is not None:
-                orphans.append(Orphan(payload.path, "shared-blob", st.st_size,
-                                      "no repo blob that a snapshot uses links to this shared-store payload"))
-    unlisted = [Orphan(repo.path, "unlisted-repo", _bytes_under(repo.path), "repo is not in this node's models")
-                for repo in repos if repo.name not in wanted]
-    return orphans, unlisted
-
-
-def _follow(path: str, reached: set[str]) -> None:
-    for _ in range(MAX_HOPS + 1):
-        reached.add(path)
-        try:
-            target = os.readlink(path)
-        except OSError:  # a regular file (EINVAL) or a dangling hop: the chain ends here
-            return
-        path = os.path.normpath(os.path.join(os.path.dirname(path), target))
-
-
-def _scandir(path: str) -> list[os.DirEntry]:
-    try:
-        return sorted(os.scandir(path), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _files_under(path: str):
-    for here, _dirs, files in os.walk(path):
-        for name in files:
-            yield os.path.join(here, name)
-        for name in _dirs:
-            if os.path.islink(os.path.join(here, name)):
-                yield os.path.join(here, name)
-
-
-def _bytes_under(path: str) -> int:
-    total = 0
-    for here, _dirs, files in os.walk(path):
-        for name in files:
-            st = _lstat(os.path.join(here, name))
-            if st is not None and stat.S_ISREG(st.st_mode):
-                total += st.st_size
-    return total
-
-
-def _is_partial(name: str) -> bool:
-    return is_temp_name(name) or name.endswith((".partial", ".incomplete"))
-
-
-def shard_orphans(engram_dir: Path, manifest: Manifest, specs: list) -> list[Orphan]:
-    """Shards of another TP size, or of a layer the manifest's model does not have, each counted
-    with its receipt. Shards of other ranks at the manifest's TP size are not orphans: a node may
-    hold its peers' ranks on purpose (one 8-GPU node serving all of TP=8)."""
-    from stager.engram.shard_format import parse_shard_name
-
-    layers = {spec.layer for spec in specs}
-    orphans = []
-    for entry in _scandir(str(engram_dir)):
-        parsed = parse_shard_name(entry.name)
-        if parsed is None or not entry.is_file(follow_symlinks=False):
-            continue
-        layer, _rank, world = parsed
-        if manifest.engram is None:
-            why = "the manifest has no [engram] table"
-        elif world != manifest.engram.world:
-            why = f"TP{world} shard; the manifest's engram.world is {manifest.engram.world}"
-        elif layers and layer not in layers:
-            why = f"layer {layer} is not among the Engram layers staged for {manifest.engram.model} {sorted(layers)}"
-        else:
-            continue
-        st = _lstat(entry.path)
-        if st is None:
-            continue
-        receipt = Path(entry.path).with_suffix(".json")
-        orphans.append(Orphan(entry.path, "shard", st.st_size + (_size_of(receipt) or 0), why))
-    return orphans
-
-
-# ---------------------------------------------------------------- live writers
-
-
-def guarding_locks(path: str, hub: str, engram_dir: str | None) -> list[Path]:
-    """The locks whose holder may be writing the temp file `path`: the mirror's for anything under
-    the node hub, pack-engram's under engram_dir, an archive's for a DEST at or above its directory,
-    and huggingface_hub's own download lock for a `blobs/*.incomplete`."""
-    locks = []
-    if _inside(path, hub):
-        locks.append(Path(hub) / HUB_LOCK)
-        repo_blobs = os.path.dirname(path)
-        if path.endswith(".incomplete") and os.path.basename(repo_blobs) == "blobs" \
-                and os.path.dirname(os.path.dirname(repo_blobs)) == hub.rstrip("/"):
-            repo = os.path.basename(os.path.dirname(repo_blobs))
-            locks.append(Path(hub) / ".locks" / repo / (os.path.basename(path)[:-len(".incomplete")] + ".lock"))
-    if engram_dir and _inside(path, engram_dir):
-        locks.append(Path(engram_dir) / ENGRAM_LOCK)
-    directory = Path(os.path.dirname(path))
-    locks.extend(d / ARCHIVE_LOCK for d in (directory, *directory.parents))
-    return locks
-
-
-def _inside(path: str, root: str) -> bool:
-    return path.startswith(root.rstrip("/") + "/")
-
-
-def stale_temps(hub: str, engram_dir: str | None, now: float) -> tuple[list[Orphan], list[Orphan]]:
-    """(interrupted, live): this tool's temp files, `*.partial` and huggingface_hub's `*.incomplete`
-    untouched for STALE_SECONDS, split by whether their writer is gone.
-
-    Gone means: none of the locks that guard the file (guarding_locks) was held when the scan
-    started, nor when it ended, and the file is still there, the same inode, after both. A writer
-    that ran wholly during the scan has renamed or removed its temp files by then. When the lock
-    table cannot tell, the file counts as live: a live copy called "interrupted" invites an `rm`
-    under a running mirror, while a missed leftover only waits for the next audit."""
-    hub = os.path.normpath(hub)
-    engram_dir = os.path.normpath(engram_dir) if engram_dir else None
-    before = LockTable.read()
-    candidates: dict[str, tuple[os.stat_result, float]] = {}  # by path: engram_dir may lie in the hub
-    for root in [hub] + ([engram_dir] if engram_dir else []):
-        for here, _dirs, files in os.walk(root):
-            for name in files:
-                if not _is_partial(name):
-                    continue
-                path = os.path.join(here, name)
-                st = _lstat(path)
-                if st is not None and now - st.st_mtime > STALE_SECONDS:
-                    candidates[path] = (st, now - st.st_mtime)
-    after = LockTable.read()
-    states: dict[Path, str | None] = {}  # lock -> why its writer may be live, None when free
-    interrupted, live = [], []
-    for path, (st, age) in sorted(candidates.items()):
-        locks = guarding_locks(path, hub, engram_dir)
-        for lock in locks:
-            if lock not in states:
-                states[lock] = _liveness(lock, before, after)
-        why = next((states[lock] for lock in locks if states[lock]), None)
-        again = _lstat(path)
-        if again is None or (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
-            continue  # renamed into place or swept since the scan: it was live
-        if why:
-            live.append(Orphan(path, "temp", st.st_size, why))
-        else:
-            interrupted.append(Orphan(path, "temp", st.st_size, f"interrupted write, untouched for {age / 3600:.1f} h"))
-    return interrupted, live
-
-
-def _liveness(lock: Path, *tables: LockTable) -> str | None:
-    """Why a writer under `lock` may be live (held in either table, or a table that cannot tell)."""
-    for table in tables:
-        state, pid = table.state(lock)
-        if state == "held":
-            return f"being written: pid {pid} holds {lock}"
-    if any(table.state(lock)[0] == "unsure" for table in tables):
-        return f"may be being written: cannot tell from {PROC_LOCKS} whether {lock} is held"
-    return None
-
-
 # ---------------------------------------------------------------- the audit
 
 
-def audit_node(manifest: Manifest, node: str, report: AuditReport) -> None:
-    """Fill `report`. Each part that fails makes the report UNKNOWN and names why; the rest still runs."""
+def audit_node(manifest: Manifest, node: str, report: AuditReport, *, only: tuple[str, ...] = (),
+               holder: int | None = None) -> None:
+    """Fill `report`. Each part that fails makes the report UNKNOWN and names why; the rest still runs.
+    `only` and `holder` are stage prune's: the kinds it was asked for, and itself as the holder of
+    the writer locks (reclaim.stale_temps)."""
     config = manifest.node(node)
     report.reserve = config.reserve
+    report.pending_warn_after = manifest.nas.pending_warn_after
     roots = [config.hub] + ([config.engram_dir] if config.engram_dir else [])
 
     def guarded(what: str, step):
@@ -517,14 +353,34 @@ def audit_node(manifest: Manifest, node: str, report: AuditReport) -> None:
     needs, specs = guarded("Engram shards still needed", lambda: engram_needs(manifest, node)) or ([], [])
     report.needs.extend(needs)
     report.filesystems = guarded("free space", lambda: filesystems(roots, report.needs, config.reserve)) or []
-    orphans, report.unlisted = guarded(
-        "orphans in the hub", lambda: hub_orphans(Path(config.hub), {repo_dir_name(m) for m in config.models})) or ([], [])
-    if config.engram_dir:
-        orphans += guarded("orphan shards", lambda: shard_orphans(Path(config.engram_dir), manifest, specs)) or []
-    temps, report.live_temps = guarded(
-        "stale temp files", lambda: stale_temps(config.hub, config.engram_dir, time.time())) or ([], [])
-    orphans += temps
-    report.orphans = sorted(orphans, key=lambda o: (o.kind, o.path))
+    report.plan = guarded("what could be reclaimed", lambda: reclaim_plan(manifest, node, report, specs, only=only,
+                                                                             holder=holder)) \
+        or reclaim.Plan(())
+    report.pruned_total = guarded("the prune journal", lambda: pruned_total(Path(config.hub))) or 0
+
+
+def reclaim_plan(manifest: Manifest, node: str, report: AuditReport, specs: list | None, *,
+                 only: tuple[str, ...] = (), holder: int | None = None) -> reclaim.Plan:
+    """The one reclaim rule (reclaim.make_plan) over what this audit found: the revisions its NAS
+    walk and the node's refs say are wanted, and the Engram layers it expects."""
+    config = manifest.node(node)
+    models = [(m, manifest.models[m].revision) for m in config.models]
+    wanted = reclaim.wanted_from(report.snapshots, models, config.hub)
+    engram = manifest.engram
+    return reclaim.make_plan(
+        config.hub, config.engram_dir, wanted, {repo_dir_name(m) for m in config.models},
+        world=engram.world if engram else None, layers={spec.layer for spec in specs or ()},
+        shards_why=None if engram else "the manifest has no [engram] table", now=time.time(), only=only,
+        holder=holder)
+
+
+def pruned_total(hub: Path) -> int:
+    """The counter `stage_pruned_bytes_total`: the running total the node's journal carries in
+    its last committed prune batch (a journal lives as long as the hub, across reboots and runs)."""
+    from stager.records import journal_tail
+
+    committed, _pending = journal_tail(hub / PRUNE_JOURNAL)
+    return int((committed or {}).get("pruned_bytes_total") or 0)
 
 
 def run_audit(manifest_path: str | None, node: str, prom: str | None = None) -> AuditReport:
@@ -552,6 +408,10 @@ def run_audit(manifest_path: str | None, node: str, prom: str | None = None) -> 
             report.unknown.append(f"cannot write {prom}: {exc.message}")
         except OSError as exc:  # the textfile directory's owner and mode, and the user that needs access
             report.unknown.append(f"cannot write {prom}: {describe_os_error(exc)}")
+    default = default_in_use()
+    if default is not None:  # no --manifest, no $STAGE_MANIFEST: say which file the answer is about
+        report.unknown = [m if str(default) in m else f"{m} (manifest: {default}, the default: no --manifest or "
+                          f"${MANIFEST_ENV})" for m in report.unknown]
     return report
 
 
@@ -562,6 +422,7 @@ def run_audit(manifest_path: str | None, node: str, prom: str | None = None) -> 
 # only for counters (the textfile has none: each run replaces it). Checked by
 # tests/test_audit.py with prometheus_client's parser and `promtool check metrics`.
 LAST_SUCCESS = "stage_last_success_timestamp_seconds"
+PRUNED_TOTAL = "stage_pruned_bytes_total"
 TEXTFILE_LIMIT = 1 << 20  # our textfile is a few KiB; more is not ours
 
 
@@ -631,8 +492,18 @@ def prom_text(report: AuditReport, last_success: float | None = None) -> str:
           [({"node": node, "kind": kind}, sum(o.bytes for o in report.orphans if o.kind == kind)) for kind in ORPHAN_KINDS])
     gauge("stage_orphan_files", "Number of orphans of a kind.",
           [({"node": node, "kind": kind}, sum(1 for o in report.orphans if o.kind == kind)) for kind in ORPHAN_KINDS])
+    gauge("stage_pending_idle_seconds", "Seconds a NAS download of the revision a model's ref names has shown no "
+          "progress, while the node stays on the revision it serves.",
+          [({"node": node, "model": p.repo_id, "revision": p.revision}, p.idle_seconds) for p in report.pending])
     gauge("stage_reclaimable_bytes", f"The {TOP_RECLAIMABLE} largest reclaimable items.",
           [({"node": node, "path": o.path, "kind": o.kind}, o.bytes) for o in report.reclaimable])
+    gauge("stage_in_use_bytes", "Bytes stage prune may not remove now: reclaimable items open, mapped or bind-mounted.",
+          [({"node": node}, sum(u.item.bytes for u in report.plan.in_use))])
+    # A counter, though each run replaces the file: its value is the running total the node's
+    # journal carries, so it only grows, across runs, reboots and a lost textfile.
+    out.append(f"# HELP {PRUNED_TOTAL} Bytes stage prune has removed from the node, over all runs (the node's journal).")
+    out.append(f"# TYPE {PRUNED_TOTAL} counter")
+    out.append(f"{PRUNED_TOTAL}{_labels(node=node)} {report.pruned_total}")
     return "\n".join(out) + "\n"
 
 
@@ -650,13 +521,26 @@ def details(report: AuditReport) -> list[str]:
     for orphan in report.orphans:
         lines.append(f"  orphan {orphan.kind:<12} {format_size(orphan.bytes):>11}  {shown(orphan.path)}: "
                      f"{shown(orphan.detail)}")
+    for item in report.plan.items:
+        if item.kind not in ORPHAN_KINDS:
+            lines.append(f"  {item.kind:<19} {format_size(item.bytes):>11}  {shown(item.path)}: {shown(item.detail)}")
     for temp in report.live_temps:
         lines.append(f"  live temp    {format_size(temp.bytes):>11}  {shown(temp.path)}: {shown(temp.detail)}")
+    for busy in report.plan.in_use:
+        lines.append(f"  in use       {format_size(busy.item.bytes):>11}  {shown(busy.item.path)} ({busy.item.kind}): "
+                     f"{shown(busy.uses[0].describe())}")
     if report.reclaimable:
         lines.append("largest reclaimable:")
         lines.extend(f"  {format_size(o.bytes):>11}  {shown(o.path)} ({o.kind})" for o in report.reclaimable)
+    if report.prune_command():
+        lines.append(f"reclaim {format_size(report.plan.bytes)} with: {shown(report.prune_command())}")
+    if report.archive_command():
+        lines.append("shards are derived data (pack-engram rebuilds them); to keep them instead: "
+                     f"{shown(report.archive_command())}")
     for problem in report.problems:
         lines.append(f"  {problem.kind:<16} {shown(problem.path)}: {shown(problem.detail)}")
+    for item in report.pending:
+        lines.append(f"  {'pending':<16} {report.pending_why(item)}")
     return lines
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager.errors import BadInput, CannotRun
-from stager.hub import COMMIT, Problem, RepoSnapshot, is_excluded, is_shared_payload, require_hub, walk_repo
+from stager.hub import COMMIT, Problem, RepoSnapshot, is_excluded, is_shared_payload, require_hub, walk_for_node
 from stager.manifest import Manifest
 from stager.sources import open_source
 from stager.sources.local import LocalSource
@@ -106,10 +106,11 @@ def _local_ref_ok(local_hub: Path, snap: RepoSnapshot) -> bool:
 def model_binds(nas: LocalSource, local_hub: Path, container_hub: str, repo_id: str, revision: str,
                 exclude: list[str], out: BindList, sources: tuple[str, ...] = ()) -> None:
     # Walked without excludes: excluded entries need their NAS files resolved too.
-    snap = walk_repo(nas, repo_id, revision, [])
+    # While the NAS downloads a new revision, the container gets the one the node serves.
+    snap = walk_for_node(nas, local_hub, repo_id, revision, [])
     out.problems.extend(snap.problems)
     summary = {"model": repo_id, "commit": snap.commit, "mode": "files", "local": 0, "nas_fallback": 0,
-               "excluded": []}
+               "excluded": [], "pending": snap.pending.to_json() if snap.pending else None}
     out.models.append(summary)
     if snap.commit is None:
         return

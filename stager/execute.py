@@ -9,6 +9,7 @@ is whole, so a client never resolves a revision into a half-staged snapshot.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import posixpath
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from stager import identity, store_modes
-from stager.atomic import SyncBatch, atomic_file, atomic_symlink, atomic_write_bytes, ensure_dir, fsync_dir, sweep_temps
+from stager.atomic import AtomicFile, SyncBatch, atomic_file, atomic_symlink, atomic_write_bytes, ensure_dir, fsync_dir, sweep_temps
 from stager.copier import SourceChanged, copy_into
 from stager.errors import CannotRun, StageError
 from stager.fingerprint import Digest, Verdict, judge, new_hasher, sampled_digest
@@ -99,13 +100,15 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
     try:
         # Disk full or interrupted: the pool stops the queued copies instead of failing each in
         # turn, and waits for the running ones before their temp files are discarded.
-        with worker_pool(jobs, "stage-copy") as pool:
-            for future in [pool.submit(copy_one, copy) for copy in plan.copies]:
+        with worker_pool(jobs, "stage-copy", "copies") as pool:
+            for future in [pool.submit(_each, copy_one, group) for group in _task_groups(plan.copies, jobs)]:
                 future.result()
         batch.commit()
     except BaseException:
         batch.discard()
         raise
+    finally:
+        batch.close()
     # The copies renamed without a directory fsync each; one per directory makes them durable
     # before any link or ref can point at them.
     _fsync_dirs(local_hub, (c.dest for c in plan.copies if c.dest not in tally.failed))
@@ -124,6 +127,30 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
         mode = store_modes.file_mode(local_hub, meta.dest)
         _write_local(tally, local_hub, meta.dest, lambda path: atomic_write_bytes(path, meta.content, chmod=mode))
     return ExecResult(tally.files, tally.bytes, tuple(tally.problems), frozenset(tally.failed))
+
+
+# Small files per pool task: handing each to a worker thread (a future, a queue, a wake-up, the
+# GIL passed back and forth) cost about as much as copying it.
+SMALL_GROUP = 16
+
+
+def _task_groups(copies: tuple[CopyFile, ...], jobs: int) -> list[list[CopyFile]]:
+    """The copies in plan order, each large one a task of its own and runs of small ones in tasks
+    of up to SMALL_GROUP, fewer when that would leave workers without a task."""
+    small = sum(1 for copy in copies if copy.size < SMALL_FILE)
+    per_task = max(1, min(SMALL_GROUP, small // max(1, 4 * jobs)))
+    groups: list[list[CopyFile]] = []
+    for copy in copies:
+        if copy.size < SMALL_FILE and groups and groups[-1][-1].size < SMALL_FILE and len(groups[-1]) < per_task:
+            groups[-1].append(copy)
+        else:
+            groups.append([copy])
+    return groups
+
+
+def _each(work, items) -> None:
+    for item in items:
+        work(item)
 
 
 def publish_refs(plan: Plan, snapshots, local_hub: Path, failed: frozenset[str],
@@ -155,10 +182,13 @@ def publish_refs(plan: Plan, snapshots, local_hub: Path, failed: frozenset[str],
 def _first_break(snap, local_hub: Path, failed: frozenset[str]) -> str | None:
     if snap.problems:
         return f"{len(snap.problems)} entr{'y' if len(snap.problems) == 1 else 'ies'} not staged"
+    # realpath once per directory of this pass: unmemoized, it lstat-ed every component of the hub
+    # path for every hop of every entry, a fifth of a 1,000-small-file mirror.
+    realpath = functools.lru_cache(maxsize=None)(os.path.realpath)
     for entry in snap.entries:
         if any(hop in failed for hop in kept_hops(entry, snap.repo_dir)):
             return f"{entry.path} failed"
-        _final, problem, _links = check_local_chain(local_hub, entry.rel)
+        _final, problem, _links = check_local_chain(local_hub, entry.rel, realpath)
         if problem is not None:
             return f"{entry.path}: {problem.kind}"
     return None
@@ -250,7 +280,7 @@ def _blob_end_first(links: tuple[MakeLink, ...]) -> list[MakeLink]:
 
 
 class _Mismatch(Exception):
-    pass
+    """The bytes are not the source's (land_verified's refusal)."""
 
 
 def _unchanged_during_copy(reader, before: tuple[int, ...], copied_sample: Digest, seed: int) -> None:
@@ -271,13 +301,30 @@ def _unchanged_during_copy(reader, before: tuple[int, ...], copied_sample: Diges
 
 def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, full: bool, progress,
                    batch: SyncBatch | None = None) -> None:
-    """Copy one file and check it *before* the rename, so a wrong byte never gets a final name.
+    """Copy one file from the source and check it *before* the rename (see land_verified)."""
+    land_verified(copy, source, local_hub, cache, full,
+                  lambda reader, out, hasher: copy_into(reader, out, copy.size, hasher, progress), batch)
 
-    --full hashes the stream during the copy (one read) against the reference;
-    the default re-reads the sampled regions of the temp file against the source.
+
+Fill = Callable[[object, AtomicFile, object], None]
+
+
+def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, full: bool, fill: Fill,
+                  batch: SyncBatch | None = None) -> None:
+    """Put one file's bytes into a temp file beside its final name with `fill(reader, out, hasher)`
+    and check them *before* the rename, so a wrong byte never gets a final name.
+
+    `reader` is the source's file, opened for the copy; `fill` writes copy.size bytes into `out`
+    (a copy from the source, or bytes from elsewhere that must match it, as the fleet's
+    broadcast lands them) and feeds them to `hasher` in file order when there is one. The
+    check is the same whoever filled the file: --full hashes the stream (one read) against the
+    reference; the default re-reads the sampled regions of the temp file against the source.
+    Raises OSError (SourceChanged among them) or a mismatch; the temp file is then discarded.
     """
     dest = inside(local_hub, copy.dest)
-    reader = source.open(copy.source, uncached=True, sequential=True)
+    # A small file is copied in the kernel from the pages its sample just read (copier.py): no
+    # O_DIRECT descriptor and read-ahead advice to set up for it, three syscalls a file.
+    reader = source.open(copy.source, uncached=True, sequential=copy.size >= SMALL_FILE)
     try:
         if reader.size != copy.size:
             raise _Mismatch(f"source size changed from {copy.size} to {reader.size} since the walk")
@@ -289,7 +336,7 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
             cache.remember(copy.source, sampled_digest(reader, cache.seed))
         with atomic_file(dest, size_hint=copy.size, mtime_ns=copy.mtime_ns, sync_dir=False, batch=batch,
                          chmod=store_modes.file_mode(local_hub, copy.dest)) as out:
-            copy_into(reader, out, copy.size, hasher, progress)
+            fill(reader, out, hasher)
             if full:
                 got = Digest(copy.reference.method, copy.size, hasher.hexdigest())
                 if copy.reference.value is None:

@@ -26,6 +26,7 @@ import xxhash
 
 from stager.hub import GIT_SHA1_NAME, SHA256_NAME, Entry
 from stager.sources.local import aligned_buffer
+from stager.workers import stop_point
 
 HEAD_BYTES = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024 * 1024
@@ -160,6 +161,7 @@ def full_digest(reader, method: str, on_bytes: Callable[[int], None] | None = No
         view = memoryview(aligned_buffer(FULL_CHUNK))  # aligned: a direct reader fills it without a copy
         done = 0
         while done < size:
+            stop_point()  # a run being left stops hashing at the next chunk
             got = reader.readinto(view)
             if got == 0:
                 return Digest(method, size, None, f"short read at offset {done}")

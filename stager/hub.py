@@ -24,6 +24,7 @@ import os
 import posixpath
 import re
 import stat
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -111,10 +112,54 @@ class RepoSnapshot:
     metadata: tuple[str, ...] = ()  # refs, trees/<commit>.json, .no_exist markers: copied byte-exact
     problems: tuple[Problem, ...] = ()
     tree_listing: dict = field(default_factory=dict, compare=False, hash=False)
+    # Set when this is the node's own revision, walked because the NAS's ref names one still downloading.
+    pending: "Pending | None" = None
 
     @property
     def snapshot_dir(self) -> str:
         return f"{self.repo_dir}/snapshots/{self.commit}"
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A revision the NAS's ref names that the NAS has not finished downloading (a walk of it
+    found it `incomplete`), while the node serves a whole earlier one and stays on it.
+
+    `idle_seconds` is how long the NAS has shown no progress on that download: now minus the
+    newest mtime among the NAS's ref, trees/<commit>.json, snapshots/<commit>/ (and its entries),
+    the repo's blobs/ directory and its `.incomplete` files. A running download rewrites its
+    `.incomplete` file and adds blobs and links, so the figure stays small; a download killed for
+    good leaves it growing, and the audit warns once it exceeds nas.pending_warn_after. Read from
+    the NAS itself, every node (and every audit) sees the same figure without keeping a record."""
+
+    repo_id: str
+    revision: str  # the manifest's branch or tag, e.g. "main"
+    commit: str  # what the NAS's ref names, not whole on the NAS yet
+    serving: str  # the commit the node stays on (serving_commit)
+    detail: str  # why the NAS's snapshot is not whole
+    idle_seconds: int
+
+    def to_json(self) -> dict:
+        return {"model": self.repo_id, "revision": self.revision, "pending_commit": self.commit,
+                "serving_commit": self.serving, "idle_seconds": self.idle_seconds, "detail": self.detail}
+
+    def describe(self) -> str:
+        return (f"{self.repo_id} {self.revision}: the NAS names {self.commit}, still incomplete there "
+                f"(no progress for {format_duration(self.idle_seconds)}); the node stays on {self.serving}")
+
+
+def format_duration(seconds: int) -> str:
+    """"45s", "12m", "3h05m", "2d04h": how long a download has been idle, at a glance."""
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes = seconds // 60
+    if minutes < 60:
+        return f"{minutes}m"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
 
 
 def is_excluded(path: str, patterns: list[str]) -> bool:
@@ -230,8 +275,65 @@ def serving_commit(local_hub: Path, repo_id: str, revision: str) -> str | None:
     return commit if is_dir else None
 
 
-def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -> RepoSnapshot:
-    """Read one repo revision from the source. Never raises for a bad entry: problems are collected."""
+def walk_for_node(source: Source, local_hub: Path, repo_id: str, revision: str, exclude: list[str],
+                  now: float | None = None) -> RepoSnapshot:
+    """The revision a node must hold: what the NAS's ref names (walk_repo), unless the NAS has not
+    finished downloading it and the node serves a whole earlier revision (serving_commit). Then
+    that earlier revision is walked on the NAS instead, and its snapshot carries a `Pending`.
+
+    A NAS mid-download is not the node's fault: reporting it as a problem (exit 1) had the Slurm
+    prolog drain every node of the cluster while each was whole on the revision it serves. A node
+    that serves no whole revision still gets the `incomplete` problem. Once the NAS's download is
+    whole, the next walk names it, and the mirror stages it and moves the node's ref."""
+    snap = walk_repo(source, repo_id, revision, exclude)
+    unfinished = next((p for p in snap.problems if p.kind == "incomplete"), None)
+    if unfinished is None or COMMIT.match(revision):
+        return snap
+    serving = serving_commit(local_hub, repo_id, revision)
+    if serving is None or serving == snap.commit:
+        return snap
+    # The .incomplete blobs in the repo belong to the pending download, not to the node's revision.
+    older = walk_repo(source, repo_id, serving, exclude, in_flight_elsewhere=True)
+    if any(p.kind in ("incomplete", "missing") for p in older.problems):
+        return snap
+    idle = max(0, int((time.time() if now is None else now) - _download_activity_ns(source, snap) / 1e9))
+    return replace(older, revision=revision,
+                   pending=Pending(repo_id, revision, snap.commit, serving, unfinished.detail, idle))
+
+
+def _download_activity_ns(source: Source, snap: RepoSnapshot) -> int:
+    """The newest mtime of anything the NAS's download of `snap.commit` writes (see Pending)."""
+    repo_dir, commit = snap.repo_dir, snap.commit
+    places = [f"{repo_dir}/refs/{snap.revision}", f"{repo_dir}/trees/{commit}.json", f"{repo_dir}/blobs",
+              f"{repo_dir}/snapshots/{commit}", *(f"{repo_dir}/{rel}" for rel in _downloads_in_flight(source, repo_dir))]
+    with_entries = places + [f"{repo_dir}/snapshots/{commit}/{path}" for path in _entries_of(source, snap)]
+    newest = 0
+    for rel in with_entries:
+        try:
+            st = source.lstat(rel)
+        except OSError:
+            continue
+        if st is not None:
+            newest = max(newest, st.mtime_ns)
+    return newest
+
+
+def _entries_of(source: Source, snap: RepoSnapshot) -> list[str]:
+    snap_dir = f"{snap.repo_dir}/snapshots/{snap.commit}"
+    try:
+        if (source.lstat(snap_dir) or Stat("none", 0, 0, 0)).kind != "dir":
+            return []
+    except OSError:
+        return []
+    return [path for path, _kind in _walk_snapshot(source, snap_dir, [])]
+
+
+def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str], *,
+              in_flight_elsewhere: bool = False) -> RepoSnapshot:
+    """Read one repo revision from the source. Never raises for a bad entry: problems are collected.
+
+    `in_flight_elsewhere`: the repo's `.incomplete` blobs are known to belong to another revision
+    (walk_for_node's pending one), so they do not make this one's snapshot incomplete."""
     repo_dir = repo_dir_name(repo_id)
     base = RepoSnapshot(repo_id, revision, repo_dir, None)
     st = source.lstat(repo_dir)
@@ -240,6 +342,15 @@ def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -
     commit = resolve_revision(source, repo_dir, revision)
     snap_dir = f"{repo_dir}/snapshots/{commit}"
     if commit is None or (source.lstat(snap_dir) or Stat("none", 0, 0, 0)).kind != "dir":
+        in_flight = [] if commit is None or in_flight_elsewhere else _downloads_in_flight(source, repo_dir)
+        listing = _tree_listing(source, repo_dir, commit) if commit is not None else {}
+        if in_flight or listing:
+            # huggingface_hub writes the ref (and the trees listing) before the first file, and
+            # makes the snapshot directory when it links that file: killed during the first
+            # download, it leaves a ref to a snapshot that does not exist yet.
+            absent = missing_from_snapshot(set(), listing, set(), exclude)
+            return _with(base, commit=commit, problems=(Problem(
+                source.display(snap_dir), "incomplete", incomplete_detail(commit, absent, in_flight)),))
         return _with(base, problems=(Problem(source.display(f"{repo_dir}/refs/{revision}"), "missing",
                                              f"revision {revision!r} of {repo_id} has no snapshot on the NAS"),))
     moved = _moved_by_dir_link(source, snap_dir)
@@ -270,7 +381,7 @@ def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str]) -
     listing = _tree_listing(source, repo_dir, commit)
     index_names = _index_names(source, snap_dir, seen)
     absent = missing_from_snapshot(set(seen), listing, index_names, exclude)
-    in_flight = _downloads_in_flight(source, repo_dir)
+    in_flight = [] if in_flight_elsewhere else _downloads_in_flight(source, repo_dir)
     if absent or (in_flight and not listing and not index_names):
         # huggingface_hub writes the ref and trees/<commit>.json before the files: following such a
         # ref moved a serving node onto a snapshot it could not load. hf_hub_download, file by

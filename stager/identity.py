@@ -152,3 +152,10 @@ def escape_from(real_dir: str, root: str, sources: tuple[str, ...] = ()) -> str 
         if inside(real_dir, source):
             return f"lies in the source {source} (through a link or mount)"
     return None
+
+
+def filesystem_device(path: str | os.PathLike) -> str | None:
+    """The "major:minor" /proc/self/mountinfo gives the filesystem holding `path` (or the nearest
+    existing ancestor): how another mount namespace's mountinfo names the same filesystem."""
+    location = _filesystem_location(_existing_ancestor(resolved(path)), _mounts())
+    return location[0] if location else None

@@ -6,7 +6,6 @@ and a verify that runs while a mirror writes)."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import stat
@@ -32,8 +31,10 @@ def writer_lock(lock_path: Path, what: str, *, wait: float = 0) -> Iterator[bool
     to wait for another holder.
 
     flock is released by the kernel when the holder dies (even by kill -9), so a
-    stale lock file never blocks the next run. The holder's pid is written for the
-    message. By default a held lock is refused at once: cron retries, and a waiting
+    stale lock file never blocks the next run. A refusal names the holder from the kernel's
+    lock table (LockTable), never from the file: a pid written there outlives its writer, and a
+    refused mirror once named a dead pid while another process held the lock. By default a
+    held lock is refused at once: cron retries, and a waiting
     second run would only re-copy what the first one is copying. `wait` seconds of
     patience are for a caller that must have the node ready before it goes on (a Slurm
     prolog while cron's mirror runs).
@@ -50,18 +51,10 @@ def writer_lock(lock_path: Path, what: str, *, wait: float = 0) -> Iterator[bool
         try:
             waited = _take(fd, wait)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             after = f" after {wait:g} s" if wait else ""
-            raise CannotRun(f"{what} is locked by another stage process (pid {holder}){after}; "
-                            f"lock file {lock_path}") from None
-        os.ftruncate(fd, 0)
-        try:
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError as exc:
-            # The pid only names the holder in a refusal. A full disk must not stop a run that may
-            # have nothing to write; one that does gets the preflight's figures instead.
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
+            # The open descriptor's inode: the file this run tried, whatever is at the name now.
+            state, pid = LockTable.read().state_of(os.fstat(fd))
+            raise CannotRun(f"{what} {describe_holder(state, pid)}{after}; lock file {lock_path}") from None
         yield waited
     finally:
         os.close(fd)
@@ -81,6 +74,16 @@ def _take(fd: int, wait: float) -> bool:
                 raise
             waited = True
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def describe_holder(state: str, pid: int | None) -> str:
+    """How a refusal names who holds a lock (LockTable.state's answer): the pid from the kernel's
+    table, or that the table cannot tell."""
+    if state == "held":
+        return f"is locked by another stage process (pid {pid})"
+    if state == "free":  # released between the refused flock and the reading of the table
+        return "was locked by another stage process, which released it before it could be named; run again"
+    return f"is locked by another process, which {PROC_LOCKS} cannot name here"
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,12 @@ class LockTable:
             return "unsure", None
         if not stat.S_ISREG(st.st_mode):
             return "free", None  # lock.writer_lock refuses a lock file that is not a regular file
+        return self.state_of(st)
+
+    def state_of(self, st: os.stat_result) -> tuple[str, int | None]:
+        """`state` for the file `st` describes (an open descriptor's fstat)."""
+        if not self.readable:
+            return "unsure", None
         pid = self.holders.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
         if pid is not None:
             return "held", pid

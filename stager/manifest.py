@@ -21,7 +21,7 @@ from typing import Callable
 from stager import identity
 from stager.errors import BadInput
 from stager.small_files import read_regular
-from stager.units import parse_size
+from stager.units import parse_duration, parse_size
 
 DEFAULT_MANIFEST = Path("manifests/cluster.toml")
 MANIFEST_ENV = "STAGE_MANIFEST"
@@ -68,12 +68,22 @@ def _text(value: object) -> str:
     return value
 
 
-def _whole(minimum: int | None = None) -> Callable[[object], int]:
+# TP sizes, ranks and layer numbers: far beyond any model, and a bound on the loops and files a
+# typo (`world = 30000000`) would otherwise ask for. The CLI's --world, --rank and --layer share it.
+MAX_TP = 4096
+# Counts and sizes land in 64-bit fields (shard headers, statvfs figures): a larger one is a typo.
+MAX_WHOLE = 2**63 - 1
+
+
+def _whole(minimum: int | None = None, maximum: int = MAX_WHOLE) -> Callable[[object], int]:
+    # A TOML float (`world = inf`, `rank = nan`, `world = 2.0`) is not a whole number: refused, never rounded.
     def read(value: object) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected a whole number, got {value!r}")
         if minimum is not None and value < minimum:
             raise ValueError(f"expected a whole number of at least {minimum}, got {value!r}")
+        if value > maximum:
+            raise ValueError(f"expected a whole number of at most {maximum}, got {value!r}")
         return value
     return read
 
@@ -163,6 +173,10 @@ def _byte_size(value: object) -> int:
     return parse_size(value)  # type: ignore[arg-type]  # it refuses floats and booleans itself
 
 
+def _duration(value: object) -> int:
+    return parse_duration(value)  # type: ignore[arg-type]  # it refuses floats and booleans itself
+
+
 def _aliases(value: object) -> dict[str, str]:
     aliases = _table_of(_text)(value)
     for prefix, target in aliases.items():
@@ -180,7 +194,7 @@ def _node_models(value: object) -> list[str]:
 
 
 def _ranks(value: object) -> list[int]:
-    ranks = _list_of(_whole(0))(value)
+    ranks = _list_of(_whole(0, MAX_TP - 1))(value)
     if not ranks:
         raise ValueError("an empty list serves no rank; leave ranks out to serve every rank")
     twice = sorted({r for r in ranks if ranks.count(r) > 1})
@@ -206,6 +220,8 @@ def _repo_ids(read_models: Callable) -> Callable[[object], dict]:
 class NasConfig:
     hub: str = _key(_text)  # the NAS's Hugging Face hub cache: a path, or an sftp:// URL
     aliases: dict[str, str] = _key(_aliases, {})  # absolute link targets on the NAS host -> their path here
+    # How long a download the NAS's ref names may show no progress before the audit warns (hub.Pending).
+    pending_warn_after: int = _key(_duration, 6 * 3600)
 
 
 @dataclass(frozen=True)
@@ -220,7 +236,7 @@ class NodeConfig:
     reserve: int = _key(_byte_size, 0)  # bytes kept free; a bare integer is bytes
     models: list[str] = _key(_node_models, [])
     engram_dir: str | None = _key(_absolute_path, None)
-    rank: int | None = _key(_whole(0), None)
+    rank: int | None = _key(_whole(0, MAX_TP - 1), None)
     ranks: list[int] | None = _key(_ranks, None)  # the TP ranks this node serves, one per GPU; `rank` for one
     source: str | None = _key(_text, None)  # overrides nas.hub as this node's source
     # [user@]host[:port]: where peers reach this node's hub over SFTP (`stage fleet mirror --fan-out`)
@@ -239,10 +255,10 @@ class NodeConfig:
 @dataclass(frozen=True)
 class EngramConfig:
     model: str = _key(_text)
-    world: int = _key(_whole(1))
+    world: int = _key(_whole(1, MAX_TP))
     layout: str = _key(_one_of("floor", "heads"), "floor")
-    engram_head_rows: list[int] | None = _key(_list_of(_whole()), None)
-    layers: list[int] | None = _key(_list_of(_whole()), None)
+    engram_head_rows: list[int] | None = _key(_list_of(_whole(0)), None)
+    layers: list[int] | None = _key(_list_of(_whole(0, MAX_TP - 1)), None)
 
 
 @dataclass(frozen=True)
@@ -322,16 +338,30 @@ def _dotted(key: Key) -> str:
 
 
 def resolve_manifest_path(explicit: str | os.PathLike | None) -> Path:
-    """`--manifest`, else $STAGE_MANIFEST, else manifests/cluster.toml in the working directory."""
+    """`--manifest`, else $STAGE_MANIFEST, else manifests/cluster.toml in the working directory
+    (absolute, so that every message names the file wherever the command was run from)."""
     if explicit:
         return Path(explicit)
     if os.environ.get(MANIFEST_ENV):
         return Path(os.environ[MANIFEST_ENV])
-    return DEFAULT_MANIFEST
+    return Path.cwd() / DEFAULT_MANIFEST
+
+
+_default_in_use: Path | None = None
+
+
+def default_in_use() -> Path | None:
+    """The default manifest, if this process read (or tried to read) it for want of `--manifest`
+    and $STAGE_MANIFEST: an error then names it, since the operator never did (a cron job run from
+    another directory once failed on "lock held" with no word of which cluster it meant)."""
+    return _default_in_use
 
 
 def load_manifest(explicit: str | os.PathLike | None = None) -> Manifest:
+    global _default_in_use
     path = resolve_manifest_path(explicit)
+    if not explicit and not os.environ.get(MANIFEST_ENV):
+        _default_in_use = path
     try:
         # A manifest may be a symlink (to a shared config checkout); a FIFO or /dev/zero is refused.
         raw = tomllib.loads(read_regular(path, MANIFEST_LIMIT, follow=True).decode("utf-8"))

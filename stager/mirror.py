@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from stager import hints
+from stager.atomic import check_writable, nearest_existing
 from stager.errors import BadInput, CannotRun
 from stager.execute import execute, publish_refs
-from stager.hub import ExcludeError, Problem, RepoSnapshot, require_hub, walk_repo
-from stager.lock import HUB_LOCK, LockTable, writer_lock
+from stager.hub import ExcludeError, Pending, Problem, RepoSnapshot, require_hub, walk_for_node
+from stager.lock import HUB_LOCK, PROC_LOCKS, LockTable, writer_lock
 from stager.manifest import Manifest
 from stager.observe import DigestCache, observe
 from stager.plan import Plan, make_plan
@@ -59,6 +60,7 @@ class MirrorReport:
     source: str = ""
     verify: VerifyReport | None = None
     would_copy: list[dict] = field(default_factory=list)  # --dry-run: {path, source, bytes, reason} per copy
+    pending: list[Pending] = field(default_factory=list)  # NAS revisions still downloading; the node stays put
 
     def to_json(self) -> dict:
         return {
@@ -73,6 +75,7 @@ class MirrorReport:
             "source": self.source,
             "verify": self.verify.to_json() if self.verify else None,
             "would_copy": self.would_copy,
+            "pending": [p.to_json() for p in self.pending],
         }
 
 
@@ -108,7 +111,7 @@ def walk(job: NodeJob, source: Source | None = None) -> list[RepoSnapshot]:
     snapshots = []
     for repo_id, revision, exclude in job.models:
         try:
-            snapshots.append(walk_repo(source, repo_id, revision, list(exclude)))
+            snapshots.append(walk_for_node(source, job.local_hub, repo_id, revision, list(exclude)))
         except ExcludeError as exc:
             raise BadInput(f"{job.manifest}: models.\"{repo_id}\".exclude: {exc}") from None
     return snapshots
@@ -128,7 +131,7 @@ def reference_source(job: NodeJob) -> Source:
 
 def free_bytes(path: Path) -> int:
     """Free space for an unprivileged writer on the filesystem that holds (or will hold) `path`."""
-    return shutil.disk_usage(_nearest_existing(path)).free
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 def preflight(plan: Plan, job: NodeJob) -> None:
@@ -147,9 +150,18 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
     cache = DigestCache(job.source, job.seed)
     report = MirrorReport(dry_run=dry_run, source=job.source.url)
     if dry_run:
-        plan = make_plan(snapshots, observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs).local
-                         if job.local_hub.exists() else {}, {})
-        return _summarize(report, plan, started)
+        # The real run's plan, so that what it would write (and refuse) is counted alike.
+        seen = observe(job.source, job.local_hub, snapshots, cache, full=full, jobs=job.jobs, sources=job.never_write)
+        plan = make_plan(snapshots, seen.local, seen.meta_content, str(job.local_hub))
+        _summarize(report, plan, snapshots, started)
+        # What the real run would meet before its first write ends the dry run the same way.
+        if _read_only(job.local_hub):
+            if plan.writes:
+                raise CannotRun(_read_only_message(job, plan))
+        else:
+            check_writable(job.local_hub)
+        preflight(plan, job)
+        return report
     with _hub_lock(job, wait) as (writable, waited):
         if waited:  # time has passed, and the NAS's refs may have moved: stage what they name now
             snapshots = walk(job)
@@ -159,10 +171,9 @@ def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
         log.debug("plan: %d copies (%s), %d links, %d metadata files, %d refs, %d problems", len(plan.copies),
                   format_size(plan.bytes_to_copy), len(plan.links), len(plan.metadata), len(plan.refs),
                   len(plan.problems))
-        _summarize(report, plan, started)
+        _summarize(report, plan, snapshots, started)
         if not writable and plan.writes:
-            raise CannotRun(f"node hub {job.local_hub} is on a read-only filesystem and {plan.writes} "
-                            "files need writing")
+            raise CannotRun(_read_only_message(job, plan))
         preflight(plan, job)
         progress = progress_factory(plan.bytes_to_copy) if progress_factory else None
         result = execute(plan, job.source, job.local_hub, cache, full=full, jobs=job.jobs, progress=progress,
@@ -203,18 +214,17 @@ def _hub_lock(job: NodeJob, wait: float) -> Iterator[tuple[bool, bool]]:
         yield True, waited
 
 
+def _read_only_message(job: NodeJob, plan: Plan) -> str:
+    return f"node hub {job.local_hub} is on a read-only filesystem and {plan.writes} files need writing"
+
+
 def _read_only(path: Path) -> bool:
-    return bool(os.statvfs(_nearest_existing(path)).f_flag & os.ST_RDONLY)
+    return bool(os.statvfs(nearest_existing(path)).f_flag & os.ST_RDONLY)
 
 
-def _nearest_existing(path: Path) -> Path:
-    """`path`, or the closest ancestor that exists: what a hub not made yet will live on."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
-
-def _summarize(report: MirrorReport, plan: Plan, started: float) -> MirrorReport:
+def _summarize(report: MirrorReport, plan: Plan, snapshots: list[RepoSnapshot], started: float) -> MirrorReport:
+    report.pending = [s.pending for s in snapshots if s.pending]
     report.entries = plan.entries
     report.excluded = list(plan.excluded)
     report.problems = list(plan.problems)
@@ -237,9 +247,14 @@ def verify(job: NodeJob, *, full: bool, subset: Subset | None, reference: Source
     report = verify_snapshots(reference, job.local_hub, snapshots, cache, full=full, subset=subset, jobs=job.jobs,
                               sources=job.never_write, progress_factory=progress_factory)
     report.problems[:0] = [p for s in snapshots for p in s.problems]
+    report.pending = [s.pending for s in snapshots if s.pending]
     report.against = reference.url
     if any(_mirror_repairs(p, job.local_hub) for p in report.problems):
-        report.repairs.append(hints.command("mirror", "--node", job.node, *(["--full"] if full else [])))
+        # The mirror re-checks with the check that found the damage: --full, or the same seed. A
+        # repair with a fresh seed sampled other spans, called the damaged file matching, and exited
+        # 0 with nothing copied while the verify that printed it kept failing.
+        check = ["--full"] if full else ["--seed", job.seed]
+        report.repairs.append(hints.command("mirror", "--node", job.node, *check))
     report.notes.extend(writers)
     return report
 
@@ -248,7 +263,11 @@ def _writer_at_work(local_hub: Path) -> list[str]:
     """A note when another process holds the hub's writer lock: a verify run beside a mirror
     (a launcher's gate while cron mirrors a moved ref) sees that mirror's work half done. The lock
     is read from the kernel's table, never taken: taking it would make the mirror refuse."""
-    state, pid = LockTable.read().state(local_hub / HUB_LOCK)
+    lock = local_hub / HUB_LOCK
+    state, pid = LockTable.read().state(lock)
+    if state == "unsure" and os.path.lexists(lock):
+        return [f"cannot tell from {PROC_LOCKS} whether a stage mirror is writing {local_hub} now; if one is, "
+                "what it has not finished shows as problems"]
     if state != "held" or pid == os.getpid():
         return []
     return [f"a stage mirror (pid {pid}) is writing {local_hub} now: what it has not finished shows as "

@@ -138,7 +138,7 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
             progress(entry.size)  # nothing to hash here: the bar still ends at its total
         return dest, state
 
-    with worker_pool(jobs, "stage-observe") as pool:
+    with worker_pool(jobs, "stage-observe", "checks") as pool:
         local.update(pool.map(look_at_final, sorted(finals)))
     for dest in wanted_links(snapshots):
         local[dest] = _lstat(local_hub / dest)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 from stager.atomic import atomic_write_bytes, fsync_dir, open_for_write
@@ -173,3 +174,40 @@ def append_moved(path: Path, block: str) -> None:
     before = read_record(path)
     lead = MOVED_HEADER if not before else "\n" if before.endswith("\n") else "\n\n"
     append_record(path, (lead + block).encode("utf-8", errors="surrogateescape"))
+
+
+def journal_tail(path: Path, commit_event: str = "removed") -> tuple[dict | None, list[dict]]:
+    """(the last record whose `event` is `commit_event`, the records after it) of a JSON-lines
+    journal, read backwards from its end in chunks: a journal grows for the life of a node, while
+    a run needs only its last commit and what a killed run wrote after it. A torn last line is
+    ignored; a journal that is missing, or a link, reads as empty."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None, []
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, []
+        end = os.fstat(fd).st_size
+        tail = b""
+        later: list[dict] = []
+        while True:
+            start = max(0, end - (1 << 20))
+            tail = os.pread(fd, end - start, start) + tail
+            end = start
+            lines = tail.split(b"\n")
+            tail = lines.pop(0) if start > 0 else b""  # a partial first line waits for the next chunk
+            for line in reversed(lines):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(record, dict):
+                    continue
+                if record.get("event") == commit_event:
+                    return record, later[::-1]
+                later.append(record)
+            if start == 0:
+                return None, later[::-1]
+    finally:
+        os.close(fd)

@@ -1,7 +1,9 @@
-"""Byte sizes as operators write them ("20GiB") and as reports print them."""
+"""Numbers as operators write them: byte sizes and durations ("20GiB", "6h"), and the one rule for
+every numeric option and environment variable (`parse_number`); byte sizes as reports print them."""
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -13,6 +15,8 @@ _UNITS = {
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
     "p": 1024**5, "pib": 1024**5, "pb": 1000**5,
 }
+# Sizes land in 64-bit fields (statvfs figures, offsets): a larger one is a typo, not a disk.
+MAX_SIZE = 2**63 - 1
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -27,6 +31,8 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         if text < 0:
             raise ValueError("a size cannot be negative")
+        if text > MAX_SIZE:
+            raise ValueError(f"{text} is larger than any disk (at most {format_size(MAX_SIZE)})")
         return text
     match = _SIZE.match(text)
     if not match or match.group(2).lower() not in _UNITS:
@@ -34,7 +40,31 @@ def parse_size(text: str | int) -> int:
     unit = _UNITS[match.group(2).lower()]
     if unit == 1 and "." in match.group(1):
         raise ValueError(f"expected a whole number of bytes, got {text!r}")
-    return int(float(match.group(1)) * unit)
+    size = int(float(match.group(1)) * unit)  # digits only (the pattern): never NaN or infinite
+    if size > MAX_SIZE:
+        raise ValueError(f"{text!r} is larger than any disk (at most {format_size(MAX_SIZE)})")
+    return size
+
+
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhd]?)\s*$")
+
+
+def parse_duration(text: str | int) -> int:
+    """Parse "6h", "90m", "2d", "45s" or a whole number of seconds into seconds. Raises ValueError.
+
+    Whole units only: a duration is a threshold an operator compares with log times, and a
+    fraction ("1.5h") or a float (`= 1e999`, nan) has no exact meaning there."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ValueError(f"expected a duration like '6h', '90m' or a whole number of seconds, got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError("a duration cannot be negative")
+        return text
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"expected a duration like '6h', '90m', '2d' or '45s', got {text!r}")
+    return int(match.group(1)) * _SECONDS[match.group(2)]
 
 
 def format_size(n: int) -> str:
@@ -45,3 +75,21 @@ def format_size(n: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def parse_number(text: str | int | float, kind: type = float, low: float | None = None,
+                 high: float | None = None) -> int | float:
+    """`text` as a finite `kind` (int or float) in [low, high]. Raises ValueError with the reason.
+
+    NaN compares false with every bound, so `--wait nan` passed `min=0` and waited for ever, as
+    did `inf`: neither is a number of anything here."""
+    try:
+        value = kind(text)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{text!r} is not a {'whole number' if kind is int else 'number'}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"{'' if low is None else f'{low:g}<='}x{'' if high is None else f'<={high:g}'}"
+        raise ValueError(f"{text} is not in the range {bounds}")
+    return value

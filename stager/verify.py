@@ -19,7 +19,7 @@ import xxhash
 
 from stager import identity
 from stager.fingerprint import Verdict, judge, reference_for
-from stager.hub import Entry, Problem, RepoSnapshot
+from stager.hub import Entry, Pending, Problem, RepoSnapshot
 from stager.observe import META_LIMIT, DigestCache, expected_digest, local_digest
 from stager.plan import kept_hops
 from stager.small_files import read_regular
@@ -72,6 +72,7 @@ class VerifyReport:
     subset: str | None = None
     against: str | None = None  # the source the content was compared with: the NAS, or a peer
     notes: list[str] = field(default_factory=list)  # what the operator should know to read the result
+    pending: list[Pending] = field(default_factory=list)  # NAS revisions still downloading; the node stays put
 
     def count(self, kind: str) -> int:
         return sum(1 for p in self.problems if p.kind == kind)
@@ -86,6 +87,7 @@ class VerifyReport:
         self.reread.extend(other.reread)
         self.repairs.extend(r for r in other.repairs if r not in self.repairs)
         self.notes.extend(other.notes)
+        self.pending.extend(other.pending)
 
     def to_json(self) -> dict:
         return {
@@ -107,6 +109,7 @@ class VerifyReport:
             "repair": self.repairs,
             "verified_against": self.against,
             "notes": self.notes,
+            "pending": [p.to_json() for p in self.pending],
         }
 
 
@@ -184,7 +187,7 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
         return item, outcome
 
     report.content_checked += len(work)
-    with worker_pool(jobs, "stage-verify") as pool:
+    with worker_pool(jobs, "stage-verify", "checks") as pool:
         for (entry, _snap, _final), (problem, reread) in pool.map(content, work):
             if problem is not None:
                 report.problems.append(problem)

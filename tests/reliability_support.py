@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from conftest import Result, run_stage, sha256_file, write_manifest
-from hubgen import Hub, Snapshot, add_engram_checkpoint, random_safetensors
+from hubgen import Hub, Snapshot, add_engram_checkpoint, pseudo_random, random_safetensors
 from stager.atomic import is_temp_name
 
 MiB = 1024 * 1024
@@ -70,10 +70,11 @@ ENGRAM_WORLD = 3
 
 
 def build_staging(root: Path, *, shards: int, shard_bytes: int, local: Path | None = None,
-                  engram: dict[int, int] | None = None) -> Staging:
+                  engram: dict[int, int] | None = None, small_files: int = 0) -> Staging:
     """A model of `shards` safetensors shards (alternating shared-store two-hop links and plain
     repo blobs), a git-blob config and a real file inside the snapshot. `engram` ({layer: rows})
-    adds an Engram table packed for TP=ENGRAM_WORLD into <root>/nvme/engram."""
+    adds an Engram table packed for TP=ENGRAM_WORLD into <root>/nvme/engram. `small_files` adds
+    that many files of 1-64 KiB in directories of 50, git blobs with one in ten an LFS blob."""
     nas = root / "nas" / "hf" / "hub"
     local = local or root / "nvme" / "hf" / "hub"
     engram_dir = root / "nvme" / "engram"
@@ -87,6 +88,13 @@ def build_staging(root: Path, *, shards: int, shard_bytes: int, local: Path | No
     for i in range(shards):
         snap.add_lfs(f"model-{i + 1:05d}-of-{shards:05d}.safetensors", random_safetensors(i + 1, shard_bytes),
                      shared=i % 2 == 0)
+    for i in range(small_files):
+        data = pseudo_random(1000 + i, 1024 * (1 + (i * 37) % 64))
+        path = f"parts/{i // 50:02d}/piece-{i:04d}.bin"
+        if i % 10 == 0:
+            snap.add_lfs(path, data, shared=False)
+        else:
+            snap.add_git(path, data)
     snap.add_real("tokenizer.json", b'{"model": {"type": "BPE"}, "added_tokens": []}')
     snap.finish(no_exist=("generation_config.json",))
     manifest = write_manifest(root / "cluster.toml", nas, local, {MODEL: {}}, extra=extra)

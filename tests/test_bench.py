@@ -127,3 +127,27 @@ def test_rounds_rotate_which_command_runs_first_and_cpu_covers_the_process_tree(
     assert len(burnt["runs"]) == 3 and burnt["cpu_s"]["min"] >= 0.14
     assert burnt["cpu_s_per_gb"]["median"] == pytest.approx(burnt["cpu_s"]["median"], abs=1e-3)  # 1 GB moved
     assert workload.results["a"]["wall_ratio"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+
+
+def test_compare_runs_another_stage_in_the_same_rounds(tmp_path: Path):
+    """--compare STAGE: each of our commands gets a twin running that executable, in the same
+    rounds, and the report names the commit it ran from."""
+    stage = Path(sys.executable).with_name("stage")
+    if not stage.exists():
+        pytest.skip("no `stage` console script beside this interpreter")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--size", "3MiB", "--engram-size", "1MiB",
+         "--small-files", "10", "--reps", "2", "--warmup", "0", "--no-install", "--only", "cold_mirror",
+         "--compare", str(stage), "--workdir", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    (workload,) = report["workloads"]
+    assert list(workload["results"])[:2] == ["stage mirror", "stage mirror [compare]"]
+    twin = workload["results"]["stage mirror [compare]"]
+    assert twin["wall_ratio"]["median"] > 0 and twin["cpu_per_h"]["median"] > 0
+    assert all("stage mirror [compare]" in r["order"] for r in workload["rounds"])
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    assert report["compared"] == f"{stage} at {head.strip()}"
+    assert "'[compare]' rows:" in (out / "bench.md").read_text()

@@ -113,9 +113,10 @@ def test_printed_repairs_run_and_repair(tmp_path):
     staged = tmp_path / "demo" / "nvme" / "hf" / "hub"
     victim = next(staged.glob("models--acme--Flash-drafter/snapshots/*/model.safetensors"))
     os.unlink(os.path.realpath(victim))
-    broken = stage("verify", "--node", "dgx1", "--manifest", rel, cwd=tmp_path)
+    broken = stage("verify", "--node", "dgx1", "--seed", "4242", "--manifest", rel, cwd=tmp_path)
     assert broken.returncode == 1
-    assert run_hints(broken.stdout, tmp_path) == [f"stage mirror --node dgx1 --manifest {rel}"]
+    # The repair repeats the check that found the damage: the verify's own seed.
+    assert run_hints(broken.stdout, tmp_path) == [f"stage mirror --node dgx1 --seed 4242 --manifest {rel}"]
     assert stage("verify", "--node", "dgx1", "--manifest", rel, cwd=tmp_path).returncode == 0
 
     # dgx2 has Engram shards configured. Before its mirror, verify says how to get the checkpoint;
@@ -135,7 +136,8 @@ def test_printed_repairs_run_and_repair(tmp_path):
     # A manifest given as $STAGE_MANIFEST is named in the hint too, so the hint runs without it.
     os.unlink(os.path.realpath(victim))
     from_env = stage("verify", "--node", "dgx1", cwd=tmp_path, env={"STAGE_MANIFEST": str(manifest)})
-    assert run_hints(from_env.stdout, tmp_path) == [f"stage mirror --node dgx1 --manifest {manifest}"]
+    [hint] = run_hints(from_env.stdout, tmp_path)
+    assert re.fullmatch(rf"stage mirror --node dgx1 --seed \d+ --manifest {re.escape(str(manifest))}", hint), hint
 
 
 # ---- 3. stdout is the result, stderr the rest ---------------------------------------------------------
@@ -280,7 +282,9 @@ def assert_ended_by(sig: int, code: int, err: str) -> None:
     assert code == 128 + sig, err
     lines = err.strip().splitlines()
     assert "Traceback" not in err
-    assert lines == ["stage: interrupted" if sig == signal.SIGINT else "stage: terminated"], lines
+    word = "interrupted" if sig == signal.SIGINT else "terminated"
+    assert len(lines) == 1 and re.fullmatch(rf"stage: {word}(, stopping \d+ [a-z]+( in flight\.\.\.))?",
+                                            lines[0]), lines
 
 
 SIGNALS = pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -297,13 +301,6 @@ def test_signal_during_mirror_cleans_up_and_releases_the_lock(big_nas, tmp_path,
     again = stage("mirror", "--node", "dgx1", "--full", "--manifest", manifest)
     assert again.returncode == 0, again.stderr  # not refused as locked; it converges and verifies
     assert temp_files(tmp_path) == []
-
-
-def bytes_read(pid: int) -> int | None:
-    try:
-        return int(re.search(r"^rchar: (\d+)$", Path(f"/proc/{pid}/io").read_text(), flags=re.M).group(1))
-    except (FileNotFoundError, ProcessLookupError, AttributeError):
-        return None
 
 
 def open_files(pid: int) -> list[str]:
@@ -480,6 +477,8 @@ def test_a_read_only_mount_is_named(shared_demo):
         mount --bind {hub1} {hub1} && mount -o remount,bind,ro {hub1} || exit 99
         {stage_cmd} pack-engram --node dgx2 --manifest {manifest} 2>pack.err; echo "pack $?"
         {stage_cmd} mirror --node dgx1 --manifest {manifest} 2>mirror.err; echo "mirror $?"
+        {stage_cmd} pack-engram --node dgx2 -n --manifest {manifest} 2>pack-n.err; echo "pack-n $?"
+        {stage_cmd} mirror --node dgx1 -n --manifest {manifest} 2>mirror-n.err >/dev/null; echo "mirror-n $?"
         """], capture_output=True, text=True, cwd=where, timeout=300, env=_clean_env())
     if result.returncode == 99:
         pytest.skip("bind mounts are not permitted here")
@@ -489,6 +488,10 @@ def test_a_read_only_mount_is_named(shared_demo):
     mirror, = (where / "mirror.err").read_text().strip().splitlines()
     assert mirror.startswith("stage: error: ") and str(hub1) in mirror
     assert re.search(r"read-only file ?system", mirror)
+    # A dry run ends as the real run would: the same line, the same exit code.
+    assert "pack-n 3" in result.stdout and "mirror-n 3" in result.stdout, result.stdout
+    assert (where / "pack-n.err").read_text() == (where / "pack.err").read_text()
+    assert (where / "mirror-n.err").read_text() == (where / "mirror.err").read_text()
 
 
 # ---- 6. CLI conventions ------------------------------------------------------------------------------
@@ -738,3 +741,244 @@ def test_help_shows_every_command_description_whole():
     for name, command in every_command().items():
         first = " ".join(command.help.split("\n\n")[0].split())
         assert f"{name} {first}" in flat, (name, first, usage)
+
+
+# ---- 10. dry runs: archive and pack-engram list everything and touch nothing --------------------------
+
+def tree_state(*roots: Path) -> dict:
+    """Every file's sha256 and every directory's and link's stat, under `roots`: what a dry run must not change."""
+    import hashlib
+
+    state = {}
+    for root in roots:
+        for here, dirs, files in os.walk(root):
+            for name in [".", *dirs, *files]:
+                path = os.path.normpath(os.path.join(here, name))
+                st = os.lstat(path)
+                entry = (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    entry += (hashlib.sha256(Path(path).read_bytes()).hexdigest(),)
+                state[path] = entry
+    return state
+
+
+def test_archive_dry_run_lists_every_move_and_changes_nothing(tmp_path):
+    src, dest = tmp_path / "old-tp2", tmp_path / "archive"
+    (src / "sub").mkdir(parents=True)
+    dest.mkdir()
+    for i, name in enumerate(["engram-l0-r0of2.bin", "engram-l1-r0of2.bin", "sub/notes.txt"]):
+        (src / name).write_bytes(os.urandom(1000 + i))
+    (dest / "old-tp2").mkdir()
+    (dest / "old-tp2" / "engram-l1-r0of2.bin").write_bytes((src / "engram-l1-r0of2.bin").read_bytes())  # adopted
+    before = tree_state(tmp_path)
+    text = stage("archive", "-n", src, dest)
+    data = json.loads(stage("archive", "--dry-run", "--json", src, dest).stdout)
+    assert tree_state(tmp_path) == before  # no lock, no temp, no record, no directory
+    assert text.returncode == 0, text.stderr
+    listed = [line for line in text.stdout.splitlines() if line.startswith("  would ")]
+    assert len(listed) == 3 and text.stdout.splitlines()[3].startswith("archive: would move 3 files"), text.stdout
+    assert data["dry_run"] is True and data["moved_files"] == 0
+    planned = {item["path"]: (item["to"], item["action"]) for item in data["would_move"]}
+    assert planned == {str(src / "engram-l0-r0of2.bin"): (str(dest / "old-tp2" / "engram-l0-r0of2.bin"), "copy"),
+                       str(src / "engram-l1-r0of2.bin"): (str(dest / "old-tp2" / "engram-l1-r0of2.bin"), "adopt"),
+                       str(src / "sub" / "notes.txt"): (str(dest / "old-tp2" / "sub" / "notes.txt"), "copy")}
+    real = json.loads(stage("archive", "--json", src, dest).stdout)
+    assert {item["source"] for item in real["files"]} == set(planned), real["files"]
+    assert all(Path(to).is_file() and not Path(path).exists() for path, (to, _) in planned.items())
+
+
+def test_pack_engram_dry_run_lists_every_shard_and_changes_nothing(tmp_path):
+    manifest = make_demo(tmp_path)
+    assert stage("mirror", "--node", "dgx2", "--manifest", manifest).returncode == 0
+    node = tmp_path / "demo" / "nvme-dgx2"
+    before = tree_state(node, tmp_path / "demo")
+    text = stage("pack-engram", "--node", "dgx2", "-n", "--manifest", manifest)
+    data = json.loads(stage("pack-engram", "--node", "dgx2", "--dry-run", "--json", "--manifest", manifest).stdout)
+    assert tree_state(node, tmp_path / "demo") == before and not (node / "engram").exists()
+    assert text.returncode == 0 and text.stdout.count("would pack /") == 2, text.stdout
+    assert data["dry_run"] is True and [s["skipped"] for s in data["shards"]] == [False, False]
+    packed = json.loads(stage("pack-engram", "--node", "dgx2", "--json", "--manifest", manifest).stdout)
+    assert [s["path"] for s in packed["shards"]] == [s["path"] for s in data["shards"]]
+    assert packed["packed_bytes"] == data["packed_bytes"] > 0
+    after = tree_state(node)
+    warm = json.loads(stage("pack-engram", "--node", "dgx2", "-n", "--json", "--manifest", manifest).stdout)
+    assert all(s["skipped"] and s["reason"] == "up to date" for s in warm["shards"]) and tree_state(node) == after
+
+
+def test_a_dry_run_that_could_not_write_ends_as_the_real_run(shared_demo):
+    """Run as a user without write access, each dry run prints the real run's error line and exits
+    with its code (it listed its plan and exited 0 before)."""
+    manifest, where = shared_demo
+    demo = where / "demo"
+    cases = [["mirror", "--node", "dgx1"]]
+    assert stage("mirror", "--node", "dgx2", "--manifest", manifest, cwd=where).returncode == 0
+    cases.append(["pack-engram", "--node", "dgx2"])
+    old, archive = where / "old", where / "archive"
+    old.mkdir(mode=0o755)
+    (old / "engram-l0-r0of2.bin").write_bytes(b"x" * 4096)
+    archive.mkdir(mode=0o755)  # root's: nobody cannot write DEST
+    cases.append(["archive", old, archive])
+    before = tree_state(where)
+    for args in cases:
+        real = as_nobody(*args, "--manifest", manifest, cwd=where)
+        dry = as_nobody(*args, "-n", "--manifest", manifest, cwd=where)
+        assert real.returncode == 3 and "permission denied" in real.stderr or "not writable" in real.stderr, real
+        assert (dry.returncode, dry.stderr) == (real.returncode, real.stderr), (args, dry.stderr, real.stderr)
+    assert tree_state(where) == before
+    # DEST writable, SRC not: the real run copies and keeps the source (not_deleted, exit 1); so does the dry run.
+    archive.chmod(0o777)
+    dry = as_nobody("archive", "-n", "--json", old, archive, cwd=where)
+    assert dry.returncode == 1 and [p["kind"] for p in json.loads(dry.stdout)["problems"]] == ["not_deleted"], dry
+    assert list(archive.iterdir()) == []
+    real = as_nobody("archive", "--json", old, archive, cwd=where)
+    assert real.returncode == 1 and [p["kind"] for p in json.loads(real.stdout)["problems"]] == ["not_deleted"]
+
+
+# ---- 11. Ctrl-C mid-copy on a slow source: said at once, stopped at the next chunk -------------------
+
+@contextlib.contextmanager
+def throttled_reads(path: Path, bytes_per_second: int):
+    """A blkio cgroup (v1) that reads the disk holding `path` at `bytes_per_second`: a slow NAS
+    with real, uncached reads. Yields the cgroup.procs file to put a process in."""
+    root = Path("/sys/fs/cgroup/blkio")
+    if not (root / "blkio.throttle.read_bps_device").exists():
+        pytest.skip("no blkio cgroup (v1) to throttle reads with here")
+    dev = os.stat(path).st_dev
+    group = root / f"stage-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "blkio.throttle.read_bps_device").write_text(f"{os.major(dev)}:{os.minor(dev)} {bytes_per_second}\n")
+        yield group / "cgroup.procs"
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (root / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def test_ctrl_c_mid_copy_says_so_at_once_and_stops_at_the_next_chunk(tmp_path):
+    """A 160 MiB weight read at 16 MiB/s (ten seconds): SIGINT once the copy is under way ends the
+    mirror within a few seconds, not when the file is done; the stderr line says what it stops,
+    no temp file is left, the lock is free and the next mirror stages a hub that verifies."""
+    hub = Hub(tmp_path / "nas")
+    snap = hub.repo("acme/Slow").snapshot()
+    size, chunks = streamed_safetensors(5, 160 * MiB)
+    snap.add_lfs_stream("model.safetensors", size, chunks, shared=False)
+    snap.finish()
+    for blob in (tmp_path / "nas").rglob("*"):  # every NAS byte read from the (throttled) disk, not the page cache
+        if blob.is_file():
+            fd = os.open(blob, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    node = tmp_path / "nvme" / "hf" / "hub"
+    manifest = write_manifest(tmp_path / "m.toml", tmp_path / "nas", node, {"acme/Slow": {}})
+    rate = 16 * MiB
+    with throttled_reads(tmp_path, rate) as procs:
+        proc = subprocess.Popen([*STAGE, "mirror", "--node", "dgx1", "-j", "1", "--manifest", str(manifest)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env(),
+                                preexec_fn=lambda: procs.write_text(str(os.getpid())))
+        deadline = time.monotonic() + 60
+        while not temp_files(node):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        started = time.monotonic()
+        time.sleep(2)  # the copy is under way: at most 2 s x 16 MiB/s of it is done
+        copied = min(size, (time.monotonic() - started) * rate)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        first_line_after = None
+        while first_line_after is None and proc.poll() is None:
+            if os.read(proc.stderr.fileno(), 4096):  # the line comes at once, before the clean-up
+                first_line_after = time.monotonic() - sent
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    left = (size - copied) / rate  # what waiting for the file's end would have taken, at least
+    assert proc.returncode == 130, err
+    assert first_line_after is not None and first_line_after < 1.0, first_line_after
+    assert took < min(4.0, left / 2), f"{took:.1f}s from SIGINT to exit; the file had {left:.1f}s to go"
+    assert temp_files(tmp_path) == []
+    again = stage("mirror", "--node", "dgx1", "--manifest", manifest)
+    assert again.returncode == 0, again.stderr  # the lock was released
+    assert stage("verify", "--node", "dgx1", "--full", "--manifest", manifest).returncode == 0
+
+
+# ---- 12. scripts/hubgen.py as a command ---------------------------------------------------------------
+
+def hubgen_cli(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "hubgen.py"), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, timeout=300, env=_clean_env())
+
+
+def test_hubgen_has_a_command_line_that_builds_hubs_stage_can_serve(tmp_path):
+    usage = hubgen_cli("--help", cwd=tmp_path)
+    assert usage.returncode == 0 and all(word in usage.stdout for word in ("demo", "hub", "engram")), usage
+    assert "--size SIZE" in hubgen_cli("hub", "-h", cwd=tmp_path).stdout
+    made = hubgen_cli("hub", "h", "--size", "24MiB", "--files", "3", "--small-files", "4", cwd=tmp_path)
+    manifest = Path(made.stdout.strip())
+    assert made.returncode == 0 and manifest == tmp_path / "h" / "cluster.toml", made
+    snapshot = next((tmp_path / "h" / "nas" / "hf" / "hub" / "models--acme--Model" / "snapshots").iterdir())
+    weights = sorted(snapshot.glob("*.safetensors"))
+    assert len(weights) == 3 and abs(sum(w.stat().st_size for w in weights) - 24 * MiB) < 4096
+    assert len(list((snapshot / "extra").iterdir())) == 4
+    assert stage("mirror", "--node", "node1", "-q", "--manifest", manifest).returncode == 0
+    assert stage("verify", "--node", "node1", "--full", "-q", "--manifest", manifest).returncode == 0
+    from huggingface_hub import snapshot_download
+    from safetensors import safe_open
+
+    local = snapshot_download("acme/Model", cache_dir=tmp_path / "h" / "nvme" / "hf" / "hub", local_files_only=True)
+    with safe_open(os.path.join(local, weights[0].name), "numpy") as staged:
+        assert list(staged.keys())  # the staged weight loads
+
+    engram = hubgen_cli("engram", "e", "--rows", "3001", "--world", "2", "--layers", "3", cwd=tmp_path)
+    manifest = Path(engram.stdout.strip())
+    assert engram.returncode == 0 and stage("mirror", "--node", "node1", "--manifest", manifest).returncode == 0
+    packed = json.loads(stage("pack-engram", "--node", "node1", "--json", "--manifest", manifest).stdout)
+    assert [(s["layer"], s["rank"], s["world"]) for s in packed["shards"]] == [(3, 0, 2), (3, 1, 2)]
+    assert stage("verify", "--node", "node1", "--full", "--manifest", manifest).returncode == 0
+
+    demo = hubgen_cli("demo", "d", cwd=tmp_path)
+    assert demo.returncode == 0 and stage("mirror", "--node", "dgx1", "--manifest", demo.stdout.strip()).returncode == 0
+    again = hubgen_cli("demo", "d", cwd=tmp_path)  # DIR holds a hub now: refused unless --force
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "--force" in again.stderr
+    assert hubgen_cli("--force", "demo", "d", cwd=tmp_path).returncode == 0
+    bad = hubgen_cli("hub", "x", "--size", "12X", cwd=tmp_path)
+    assert bad.returncode == 2 and "--size" in bad.stderr and not (tmp_path / "x").exists()
+
+
+# ---- 13. the default manifest is named --------------------------------------------------------------
+
+def test_without_manifest_or_env_every_error_names_the_default_manifest(tmp_path):
+    make_demo(tmp_path)
+    (tmp_path / "manifests").mkdir()
+    shutil.copy(tmp_path / "demo" / "cluster.toml", tmp_path / "manifests" / "cluster.toml")
+    default = tmp_path / "manifests" / "cluster.toml"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    missing = stage("verify", "--node", "dgx1", cwd=elsewhere)
+    assert missing.returncode == 2 and missing.stderr.startswith(
+        f"stage: error: {elsewhere}/manifests/cluster.toml: manifest not found"), missing.stderr
+    unknown = stage("verify", "--node", "dgx9", cwd=tmp_path)
+    assert unknown.returncode == 2 and str(default) in unknown.stderr, unknown.stderr
+    assert stage("mirror", "--node", "dgx1", cwd=tmp_path).returncode == 0
+    lock = tmp_path / "demo" / "nvme" / "hf" / "hub" / ".locks" / "stager.lock"
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "30"])
+    try:
+        while not (lock.exists() and _held(lock)):
+            time.sleep(0.01)
+        locked = stage("mirror", "--node", "dgx1", cwd=tmp_path)
+        locked_json = stage("mirror", "--node", "dgx1", "--json", cwd=tmp_path)
+        named = stage("mirror", "--node", "dgx1", "--manifest", default, cwd=tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert locked.returncode == 3 and f"(manifest: {default}, the default" in locked.stderr, locked.stderr
+    assert f"(manifest: {default}" in json.loads(locked_json.stdout)["error"]
+    assert named.returncode == 3 and "(manifest:" not in named.stderr  # the operator named it
+    audit = stage("audit", "--node", "dgx1", "--prom", "/proc/no-such-dir/stage.prom", cwd=tmp_path)
+    assert audit.returncode == 3 and f"(manifest: {default}" in audit.stdout, audit.stdout
+
+
+def _held(lock: Path) -> bool:
+    ino = os.stat(lock).st_ino
+    return any(line.split()[5].endswith(f":{ino}") for line in Path("/proc/locks").read_text().splitlines())

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ import pytest
 
 from conftest import run_stage, sha256_file
 from hubgen import Hub, random_safetensors
-from remote_fixtures import SshServer, hub_tree, silent_port
+from remote_fixtures import SshServer, hub_tree, load_offline, silent_port
 from stager.fleet import LABEL
+from stager.lock import HUB_LOCK
 
 FLASH = "acme/Flash-3bpw"
 DRAFTER = "acme/Flash-drafter"
@@ -213,7 +215,7 @@ def staged(cluster, nas, sshd, tmp_path_factory) -> dict:
     nas_url = sshd.url(nas["hub"])
     manifest = fleet_manifest(root / "cluster.toml", nas, root, sshd, nas_hub=nas_url)
     before = sshd.bytes_read(nas["hub"])
-    result, _ = fleet("mirror", "--json", "--timeout", "120", "--manifest", manifest)
+    result, _ = fleet("mirror", "--json", "--transport", "nas", "--timeout", "120", "--manifest", manifest)
     return {"root": root, "manifest": manifest, "result": result, "nas_url": nas_url,
             "nas_bytes": sshd.bytes_read(nas["hub"]) - before}
 
@@ -234,6 +236,9 @@ def test_fleet_mirror_stages_every_node_from_one_command(staged, nas):
         assert run["bytes"] == data
         assert_staged_like_the_nas(staged["root"] / name / "hub", nas)
     assert report["copied_from"] == {staged["nas_url"]: 3 * data}
+    assert report["transport"] == "nas" and report["nas_bytes"] == 3 * data
+    assert all(run["transport"] == "nas" and run["nas_bytes"] == data and run["peer_bytes"] == 0
+               for run in report["nodes"].values())
     trees = [hub_tree(staged["root"] / name / "hub") for name in NODES]
     assert trees[0] == trees[1] == trees[2]
 
@@ -282,7 +287,8 @@ def test_a_node_silent_past_the_timeout_is_stopped_and_reported_in_the_table(sta
     result, elapsed = fleet("mirror", "--nodes", "dgx2", "--timeout", "8", "--manifest", manifest)
     assert result.code == 3 and elapsed < 30, (elapsed, result.stderr)
     table = result.stderr.splitlines()
-    assert table[0].split() == ["node", "status", "bytes", "seconds", "problems", "detail"]
+    assert table[0].split() == ["node", "status", "transport", "from", "NAS", "from", "peers", "seconds", "problems",
+                                "detail"]
     # The node answers just before the deadline that it stopped its command; a node that cannot
     # even say that is counted as unreachable.
     assert table[1].startswith("dgx2  timed out ") and table[1].endswith("killed at the fleet deadline (8s)") \
@@ -327,6 +333,176 @@ def test_fan_out_reads_each_byte_from_the_nas_once(staged, nas, sshd, tmp_path):
     assert plain_bytes >= 3 * data
     assert data <= fan_bytes <= data + 3 * files * (MiB + 64 * 1024)
     print(f"\nNAS bytes read staging 3 nodes of {data} bytes: {plain_bytes} without fan-out, {fan_bytes} with it")
+
+
+# ---- the broadcast --------------------------------------------------------------------------------
+
+# What a receiving node's checks may read back from the NAS per file, beyond the data: the sampled
+# check before the rename reads the samples twice (before, and fresh after), the closing mirror once.
+SAMPLE_READS = 3 * (MiB + 64 * 1024)
+
+
+def small_files(nas: dict, staged: dict) -> int:
+    """Bytes of the files each node reads from the NAS itself: those of at most 1 MiB (sizes
+    from a staged node: one NAS link is absolute, through an alias)."""
+    hub = staged["root"] / "dgx1" / "hub"
+    sizes = [(hub / snap.dir.relative_to(nas["hub"]) / rel).stat().st_size
+             for snap in nas["snaps"].values() for rel in snap.sha256]
+    return sum(size for size in sizes if size <= MiB)
+
+
+def verify_full(manifest: Path, node: str):
+    result = run_stage("verify", "--full", "--node", node, "--json", "--manifest", manifest)
+    assert result.code == 0 and result.json["problems"] == [], (node, result.stdout, result.stderr)
+    return result.json
+
+
+@pytest.fixture(scope="module")
+def broadcast_run(cluster, staged, nas, sshd, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("broadcast")
+    manifest = fleet_manifest(root / "cluster.toml", nas, root, sshd, nas_hub=staged["nas_url"])
+    before = sshd.bytes_read(nas["hub"])
+    result, elapsed = fleet("mirror", "--json", "--timeout", "120", "--manifest", manifest)
+    return {"root": root, "manifest": manifest, "result": result, "seconds": elapsed,
+            "nas_bytes": sshd.bytes_read(nas["hub"]) - before}
+
+
+def test_broadcast_stages_every_node_reading_the_nas_once(broadcast_run, staged, nas):
+    result, root = broadcast_run["result"], broadcast_run["root"]
+    assert result.code == 0, result.stderr + result.stdout
+    report = result.json
+    data, small = staged["result"].json["nodes"]["dgx1"]["bytes"], small_files(nas, staged)
+    assert report["transport"] == "broadcast" and report["nas_bytes"] == data + 2 * small
+    nodes = report["nodes"]
+    # The head read every shared byte from the NAS, the others got all of theirs from peers
+    # (the files of at most 1 MiB, which each node's check reads whole anyway, from the NAS).
+    assert (nodes["dgx1"]["nas_bytes"], nodes["dgx1"]["peer_bytes"]) == (data, 0)
+    for name in ("dgx2", "dgx3"):
+        assert (nodes[name]["nas_bytes"], nodes[name]["peer_bytes"]) == (small, data - small), nodes[name]
+    for name in NODES:
+        run = nodes[name]
+        assert run["fallbacks"] == [] and run["bad_senders"] == [] and run["refused_connections"] == []
+        assert run["report"]["copied_bytes"] == small and run["report"]["problems"] == []
+        assert run["report"]["verify"]["verified_against"] == staged["nas_url"]
+        hub = root / name / "hub"
+        assert_staged_like_the_nas(hub, nas)
+        assert hub_tree(hub) == hub_tree(staged["root"] / "dgx1" / "hub")
+        verify_full(broadcast_run["manifest"], name)
+    # The tail received everything through two relays: huggingface_hub loads it offline.
+    assert load_offline(root / "dgx3" / "hub")["repos"] == sorted([FLASH, DRAFTER])
+    # Bytes the NAS's own sftp-server read: the data once, plus each node's bounded sampled checks.
+    files = 4
+    assert data <= broadcast_run["nas_bytes"] <= data + 3 * files * SAMPLE_READS, broadcast_run["nas_bytes"]
+    print(f"\nbroadcast to 3 nodes of {data} bytes: NAS read {broadcast_run['nas_bytes']} bytes "
+          f"(every node reading it: {staged['nas_bytes']}), {broadcast_run['seconds']:.1f}s")
+
+
+def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memory(cluster, staged, nas, sshd,
+                                                                                   tmp_path, monkeypatch):
+    """dgx2 already holds everything but one shard: it receives that shard only, and no chain
+    waits for it on the rest. The run's key (made known to this test by wrapping the driver's
+    mint) is never in any process's argv or environment during the run, nor in a file after it."""
+    from stager.fleet import run_fleet
+    from stager.fleet.broadcast import chain
+    from stager.manifest import load_manifest
+
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
+    assert run_stage("mirror", "--node", "dgx2", "--manifest", manifest).code == 0
+    shard = nas["snaps"][FLASH].dir / "model-00002-of-00002.safetensors"
+    blob = (tmp_path / "dgx2" / "hub" / shard.relative_to(nas["hub"])).resolve()
+    shard_size = blob.stat().st_size
+    blob.unlink()
+
+    minted = []
+
+    def remembered_mint():
+        minted.append(chain_mint())
+        return minted[-1]
+
+    chain_mint = chain.mint
+    monkeypatch.setattr(chain, "mint", remembered_mint)
+    scans, leaks, stop = [0], [], threading.Event()
+
+    def scan_processes():
+        while not stop.is_set():
+            if minted:
+                needles = (minted[0][0], minted[0][0].hex().encode())
+                for pid in filter(str.isdigit, os.listdir("/proc")):
+                    for part in ("cmdline", "environ"):
+                        try:
+                            text = Path(f"/proc/{pid}/{part}").read_bytes()
+                        except OSError:
+                            continue
+                        leaks.extend(f"/proc/{pid}/{part}" for needle in needles if needle in text)
+                scans[0] += 1
+            time.sleep(0.05)
+
+    scanner = threading.Thread(target=scan_processes, daemon=True)
+    scanner.start()
+    try:
+        report = run_fleet(load_manifest(manifest), "mirror", None, timeout=120).to_json()
+    finally:
+        stop.set()
+        scanner.join()
+    assert report["exit_code"] == 0 and report["transport"] == "broadcast", report
+    data = staged["result"].json["nodes"]["dgx1"]["bytes"]
+    nodes = report["nodes"]
+    assert nodes["dgx2"]["peer_bytes"] + nodes["dgx2"]["nas_bytes"] == shard_size
+    assert nodes["dgx1"]["nas_bytes"] == data and nodes["dgx3"]["peer_bytes"] == data - small_files(nas, staged), nodes
+    assert report["nas_bytes"] == data + small_files(nas, staged)
+    for name in NODES:
+        assert_staged_like_the_nas(tmp_path / name / "hub", nas)
+    assert len(minted) == 1 and scans[0] > 0 and leaks == []
+    key = minted[0][0]
+    for top in (cluster.log.parent, tmp_path, Path("/dev/shm")):
+        for path in top.rglob("*"):
+            try:
+                if path.is_file() and not path.is_symlink() and path.stat().st_size < 256 * MiB:
+                    content = path.read_bytes()
+                    assert key not in content and key.hex().encode() not in content, path
+            except (PermissionError, FileNotFoundError):
+                continue
+
+
+def relay_pid(hub: Path) -> int | None:
+    """The pid holding `hub`'s writer lock while it runs a broadcast relay's receive."""
+    try:
+        pid = int((hub / HUB_LOCK).read_text().split()[0])
+        title = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if title.startswith(b"ray::Relay.run") else None
+
+
+def test_a_relay_killed_mid_run_is_routed_around_and_a_rerun_converges(cluster, staged, nas, sshd, tmp_path):
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
+    proc = subprocess.Popen([sys.executable, "-m", "stager", "fleet", "mirror", "--json", "--timeout", "120",
+                             "--manifest", str(manifest)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    deadline = time.monotonic() + 90
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        killed = relay_pid(tmp_path / "dgx2" / "hub")
+        if killed is not None:
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=120)
+    assert killed is not None, err
+    import json
+
+    report = json.loads(out)
+    # The others finished; dgx2 itself was staged by its own mirror, from the NAS.
+    assert proc.returncode == 0 and report["exit_code"] == 0, err
+    nodes = report["nodes"]
+    assert [f["path"] for f in nodes["dgx2"]["fallbacks"]] == [None], nodes["dgx2"]
+    assert nodes["dgx2"]["fallbacks"][0]["why"].startswith("relay failed")
+    assert nodes["dgx3"]["bad_senders"] == [] and nodes["dgx3"]["report"]["problems"] == []
+    for name in NODES:
+        assert_staged_like_the_nas(tmp_path / name / "hub", nas)
+        assert nodes[name]["status"] == "ok"
+    again, _ = fleet("mirror", "--json", "--timeout", "120", "--manifest", manifest)
+    assert again.code == 0, again.stderr
+    assert all(run["report"]["copied_bytes"] == 0 and run["peer_bytes"] == 0 for run in again.json["nodes"].values())
+    verify_full(manifest, "dgx2")
 
 
 def descendants(root_pid: int) -> set[int]:

@@ -209,18 +209,29 @@ def assert_node_serves(site: dict, hub: HubMock, commit: str) -> None:
     assert loaded["tensors"] == {p: tensor_digests(f.data) for p, f in files.items() if p.endswith(".safetensors")}
 
 
-def incomplete_problem(result, site: dict, commit: str, missing: list[str], *, may_have_finished: bool = False) -> dict:
-    """The one problem a half-downloaded NAS snapshot must produce, naming the commit and what it
-    lacks. `missing` is read after the mirror, so it can only have shrunk since the mirror looked;
-    with `may_have_finished` (a download not held back) it may even be empty by then."""
+def incomplete_problem(result, site: dict, commit: str, missing: list[str]) -> dict:
+    """The one problem a half-downloaded NAS snapshot must produce on a node that serves no earlier
+    revision, naming the commit and what it lacks. `missing` is read after the mirror, so it can
+    only have shrunk since the mirror looked."""
     problems = result.json["problems"]
     assert [p["kind"] for p in problems] == ["incomplete"], problems
     problem = problems[0]
     assert problem["path"].endswith(f"{REPO_DIR}/snapshots/{commit}"), problem
     assert commit in problem["detail"], problem
-    assert missing or may_have_finished, problem
+    assert missing, problem
     assert all(name in problem["detail"] for name in missing[:5]), (missing, problem)
     return problem
+
+
+def assert_pending(result, serving: str, commit: str, missing: list[str]) -> dict:
+    """The one pending revision a half-downloaded NAS snapshot must produce on a node serving an
+    earlier whole one: the NAS's commit, the node's, and what the NAS lacks."""
+    pending, = result.json["pending"]
+    assert (pending["model"], pending["revision"]) == (REPO_ID, "main"), pending
+    assert (pending["pending_commit"], pending["serving_commit"]) == (commit, serving), pending
+    assert all(name in pending["detail"] for name in missing[:5]), (missing, pending)
+    assert 0 <= pending["idle_seconds"] < 120, pending  # the download was killed just now
+    return pending
 
 
 def test_snapshot_download_then_mirror(site, hub, procs):
@@ -277,13 +288,20 @@ def test_download_killed_half_way_while_the_node_serves_the_previous_commit(site
     missing = nas_missing(site, hub, b)
     assert BIG in missing
 
+    # The NAS is mid-download, not the node: it is whole on A and stays there, exit 0, and both
+    # commands name the pending revision and the one the node stays on.
     result = mirror(site)
-    assert result.code == 1, result.stdout + result.stderr
-    problem = incomplete_problem(result, site, b, missing)
+    assert result.code == 0, result.stdout + result.stderr
+    assert result.json["problems"] == [] and result.json["copied_files"] == 0
+    pending = assert_pending(result, a, b, missing)
     assert_node_serves(site, hub, a)  # still on A, every byte of it
     check = verify_full(site)
-    assert check.code == 1, check.stdout + check.stderr
-    assert incomplete_problem(check, site, b, missing) == problem
+    assert check.code == 0, check.stdout + check.stderr
+    assert check.json["problems"] == [] and check.json["content_checked"] == len(hub.files(REPO_ID, a))
+    assert assert_pending(check, a, b, missing)["detail"] == pending["detail"]
+    text = run_stage("verify", "--node", "dgx1", "--manifest", site["manifest"], timeout=60)
+    assert text.code == 0 and f"pending          {REPO_ID} main: the NAS names {b}" in text.stdout, text.stdout
+    assert f"the node stays on {a}" in text.stdout
     assert_node_serves(site, hub, a)
 
     download(site, hub, procs)
@@ -305,19 +323,21 @@ def test_mirror_while_the_download_still_runs(site, hub, procs):
     proc = start_download(site, hub, procs)
     wait_for(lambda: partial_big_blob(site, hub, b, min_bytes=0), 30, "the big shard's .incomplete blob")
 
-    def mirror_and_check(throttled: bool) -> int:
+    def mirror_and_check(throttled: bool) -> bool:
+        """True when the mirror found B still pending (the node stays on A), False when it staged B."""
         result = mirror(site)
-        if result.code == 1:
-            incomplete_problem(result, site, b, nas_missing(site, hub, b), may_have_finished=not throttled)
+        assert result.code == 0, result.stdout + result.stderr
+        if result.json["pending"]:
+            pending, = result.json["pending"]
+            assert (pending["pending_commit"], pending["serving_commit"]) == (b, a), pending
             assert_node_serves(site, hub, a)
-        else:
-            assert result.code == 0, result.stdout + result.stderr
-            assert not nas_missing(site, hub, b)
-            assert_node_serves(site, hub, b)
-        return result.code
+            return True
+        assert not nas_missing(site, hub, b)
+        assert_node_serves(site, hub, b)
+        return False
 
     # Throttled, the download is certainly still running during this mirror.
-    assert mirror_and_check(throttled=True) == 1
+    assert mirror_and_check(throttled=True)
     assert proc.poll() is None
     # Unthrottled, the download ends while this mirror runs, before or after it looks: either holds.
     hub.throttle.clear()
@@ -347,5 +367,7 @@ def test_file_by_file_download_killed_half_way(site, hub, procs):
 
     result = mirror(site)
     assert node_ref(site) == a, "the node was moved onto a commit without its weights"
-    assert result.code == 1, result.stdout + result.stderr
+    # A's snapshot has no listing either; the .incomplete blob is B's, so A is still whole.
+    assert result.code == 0 and result.json["problems"] == [], result.stdout + result.stderr
+    assert ".incomplete" in assert_pending(result, a, b, [])["detail"]
     assert_node_serves(site, hub, a)

@@ -76,6 +76,21 @@ def test_mirror_killed_at_random_points(staging):
     assert outcomes["killed mid-write"] >= 3, outcomes
 
 
+def test_small_file_mirror_killed_at_random_points(tmp_path):
+    """Small files are made durable in batches (one syncfs, then the renames): a kill at any point
+    of a run of 400 of them, first or resumed, leaves every final-named file holding the NAS's bytes,
+    and the next run converges."""
+    staging = build_staging(tmp_path, shards=1, shard_bytes=MiB, small_files=400)
+    with untouched(staging.nas):
+        outcomes = kill_trials(
+            staging.command("mirror", "--json"), staging.local, seed=6004,
+            reset=lambda: shutil.rmtree(staging.local, ignore_errors=True),
+            check=lambda: assert_hub_truthful(staging.local, staging.nas, staging.snapshot),
+            converge=lambda: assert_converged(staging))
+    print(dict(outcomes))
+    assert outcomes["killed mid-write"] >= 3, outcomes
+
+
 # ---------------------------------------------------------------- stage pack-engram
 
 @pytest.fixture

@@ -33,13 +33,13 @@ def demo(tmp_path: Path) -> dict:
             "hub": root / "nvme" / "hf" / "hub"}
 
 
-def slurmd_runs(script: str, demo: dict, **settings: str) -> subprocess.CompletedProcess:
-    """The script as slurmd starts it: an empty environment but for Slurm's variables."""
+def slurmd_runs(script: str, demo: dict, node: str = "dgx1", **settings: str) -> subprocess.CompletedProcess:
+    """The script as slurmd starts it on `node`: an empty environment but for Slurm's variables."""
     conf = demo["conf"]
     if settings:
         conf = conf.with_name("slurm-extra.env")
         conf.write_text(demo["conf"].read_text() + "".join(f"{k}={v}\n" for k, v in settings.items()))
-    env = {"SLURMD_NODENAME": "dgx1", "SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "alice",
+    env = {"SLURMD_NODENAME": node, "SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "alice",
            "STAGE_SLURM_CONF": str(conf)}
     return subprocess.run(["/bin/bash", str(SCRIPTS / script)], env=env, capture_output=True, text=True,
                           timeout=300)
@@ -147,3 +147,70 @@ def test_an_epilog_that_cannot_repair_drains(demo):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("stage-epilog: job 4242 on dgx1: stage mirror exit 1 (problems found): ")
     assert last.endswith("the node drains") and (weight / "job-output.bin").read_bytes() == b"a job's own file"
+
+
+def tree(root: Path) -> list[tuple[str, int, int]]:
+    """Every path under `root` with its inode and mtime: what "nothing was written" is checked on."""
+    return sorted((str(p), p.lstat().st_ino, p.lstat().st_mtime_ns) for p in [root, *root.rglob("*")])
+
+
+def test_a_node_the_manifest_does_not_list_has_nothing_to_stage(demo):
+    """A mixed cluster: Prolog= and Epilog= run on every node, also on a CPU node the manifest
+    does not list. Both exit 0 with one line and stage nothing (they drained it, exit 2, and the
+    epilog went on to "repair" it)."""
+    root = demo["manifest"].parent
+    before = tree(root)
+    for script, role in (("slurm-prolog.sh", "stage-prolog"), ("slurm-epilog.sh", "stage-epilog")):
+        result = slurmd_runs(script, demo, node="cpu17")
+        assert result.returncode == 0, result.stderr
+        assert result.stderr.splitlines() == [
+            f"{role}: job 4242 on cpu17: not in {demo['manifest']}, nothing to stage"], result.stderr
+    assert tree(root) == before  # no hub, no lock, no log: no mirror ran
+    # A manifest that is broken is still exit 2 (every node fails alike), not "nothing to stage".
+    demo["manifest"].write_text(demo["manifest"].read_text() + "\n[nodes.cpu17]\nhub = 'relative'\n")
+    broken = slurmd_runs("slurm-prolog.sh", demo, node="cpu17")
+    assert broken.returncode == 2 and "the node drains" in broken.stderr, broken.stderr
+
+
+def test_scripts_units_and_cron_share_one_configuration_directory():
+    """The Slurm scripts, the systemd units and the cron file name their manifest in /etc/stager/
+    (they once split between /etc/stager/ and /etc/stage/, so one of them read no manifest)."""
+    import re
+
+    named = {}
+    for path in sorted(SCRIPTS.iterdir()):
+        if path.suffix in (".sh", ".service", ".timer", ".cron"):
+            for place in re.findall(r"/etc/stage[a-z]*/", path.read_text()):
+                named.setdefault(place, []).append(path.name)
+    assert set(named) == {"/etc/stager/"}, named
+    for name in ("slurm-common.sh", "stage-mirror.service", "stage-audit.service", "stage-audit.cron"):
+        assert "/etc/stager/cluster.toml" in (SCRIPTS / name).read_text(), name
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "1e9", "86401", "2.5", "30s", "999999999999999999999"])
+def test_a_stage_wait_that_is_not_whole_seconds_fails_the_prolog_with_one_line(demo, value):
+    """`STAGE_WAIT=inf` (or nan) reached `stage mirror --wait`, which waited on a held hub for ever:
+    slurmd's job hung with it. The bad setting is one line naming it, exit 2, and the node drains."""
+    conf = demo["conf"].with_name("slurm-bad.env")
+    conf.write_text(demo["conf"].read_text() + f"STAGE_WAIT={value}\n")
+    env = {"SLURMD_NODENAME": "dgx1", "SLURM_JOB_ID": "4242", "STAGE_SLURM_CONF": str(conf)}
+    with holding(demo["hub"] / ".locks" / "stager.lock"):
+        for script in ("slurm-prolog.sh", "slurm-epilog.sh"):
+            result = subprocess.run(["/bin/bash", str(SCRIPTS / script)], env=env, capture_output=True, text=True,
+                                    timeout=30)
+            assert result.returncode == 2, result.stderr
+            line, = result.stderr.strip().splitlines()
+            assert f"STAGE_WAIT={value} in {conf}" in line and line.endswith("the node drains"), line
+    assert not (demo["hub"] / "models--acme--Flash-3bpw").exists(), "no mirror ran"
+
+
+def test_a_slurm_env_file_that_is_a_fifo_fails_the_prolog_at_once(demo):
+    """Sourcing a FIFO waits for a writer for ever."""
+    fifo = demo["conf"].with_name("slurm-fifo.env")
+    os.mkfifo(fifo)
+    env = {"SLURMD_NODENAME": "dgx1", "SLURM_JOB_ID": "4242", "STAGE_SLURM_CONF": str(fifo)}
+    result = subprocess.run(["/bin/bash", str(SCRIPTS / "slurm-prolog.sh")], env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2, result.stderr
+    line, = result.stderr.strip().splitlines()
+    assert line == f"stage-prolog: {fifo}: not a regular file; the node drains"

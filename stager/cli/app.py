@@ -18,6 +18,7 @@ import typer
 
 from stager import hints
 from stager.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN, BadInput, StageError, describe_os_error
+from stager.manifest import MAX_TP  # the manifest's bound on world, ranks and layers
 
 _HELP_NAMES = ["-h", "--help"]
 
@@ -57,10 +58,29 @@ VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, expose_v
                                          help="A stderr line per file acted on; -vv adds debug detail")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout, errors included")]
 FullOpt = Annotated[bool, typer.Option("--full", help="Hash every byte against the strongest reference")]
+# Every numeric option is one of these aliases and has a range: `_plain_conversions` refuses a value
+# that is not a finite number inside it (exit 2, naming the option). `--wait nan` and `--wait inf`
+# passed `min=0` (NaN compares false to everything) and waited for ever.
+MAX_WAIT_SECONDS = 86_400  # a day: a wait longer than that is a mistake, not patience
+MAX_TIMEOUT_SECONDS = 7 * 86_400  # a week: a fleet mirror of many TB over a slow NAS still fits
+MAX_SEED = 2**32 - 1  # the range of the random seed a report shows
 JobsOpt = Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, max=64, metavar="N",
                                                 help="Files copied or checked in parallel (1-64)")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N",
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", min=0, max=MAX_SEED,
                                                 help="Seed for the sampled regions [default: random, reported]")]
+WaitOpt = Annotated[float, typer.Option(
+    "--wait", metavar="SECONDS", min=0, max=MAX_WAIT_SECONDS,
+    help="When another stage process holds the node hub, wait up to SECONDS for it "
+         "instead of exiting 3 at once")]
+TimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", metavar="SECONDS", min=1, max=MAX_TIMEOUT_SECONDS,
+    help="Seconds before a silent node is reported unreachable")]
+RankOpt = Annotated[Optional[list[int]], typer.Option(
+    "--rank", "-r", min=0, max=MAX_TP - 1,
+    help="TP rank (repeatable) [default: nodes.X.ranks or nodes.X.rank, else every rank]")]
+WorldOpt = Annotated[Optional[int], typer.Option("--world", min=1, max=MAX_TP, help="TP size [default: engram.world]")]
+LayerOpt = Annotated[Optional[list[int]], typer.Option("--layer", min=0, max=MAX_TP - 1,
+                                                       help="Only this layer (repeatable)")]
 
 
 def _print_version(value: bool) -> None:
@@ -97,7 +117,27 @@ def _on_signal(signum: int, _frame) -> None:
     # A second signal while the first one's clean-up runs ends the process the default way.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise Signalled(signum)
+    signalled = Signalled(signum)
+    _announce(signalled)
+    raise signalled
+
+
+def _singular(noun: str) -> str:
+    return noun[:-3] + "y" if noun.endswith("ies") else noun.removesuffix("s")
+
+
+def _announce(signalled: Signalled) -> None:
+    """The run's one stderr line, at once: a Ctrl-C with copies in flight was silent for as long
+    as they took. Written straight to the descriptor: the signal may have arrived in the middle of
+    a write to sys.stderr, which a second write through the same buffer would refuse."""
+    from stager.workers import in_flight
+
+    busy = ", ".join(f"{n} {noun if n != 1 else _singular(noun)}" for noun, n in sorted(in_flight().items()))
+    line = f"stage: {signalled.message}" + (f", stopping {busy} in flight..." if busy else "")
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 def main() -> None:
@@ -129,8 +169,8 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             _shell_contract(sub)
         result = command.main(args=argv, prog_name="stage", standalone_mode=False)
         return (result if isinstance(result, int) else 0), None, None
-    except Signalled as exc:
-        return exc.exit_code, exc.message, exc.message
+    except Signalled as exc:  # its line is on stderr already (see _announce)
+        return exc.exit_code, None, exc.message
     except typer.Abort:  # click's own reading of Ctrl-C (at a prompt, say)
         return 128 + signal.SIGINT, "interrupted", "interrupted"
     except typer.TyperException as exc:  # usage: unknown option, missing --node, ...
@@ -144,9 +184,10 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             terminal.discard(sys.stderr)
         return EXIT_BAD_INPUT, None, exc.format_message()
     except StageError as exc:
-        return exc.exit_code, f"error: {exc.message}", exc.message
+        message = _naming_the_default_manifest(exc.message)
+        return exc.exit_code, f"error: {message}", message
     except OSError as exc:  # not mapped by the core: name the path and what the operator can do
-        message = describe_os_error(exc)
+        message = _naming_the_default_manifest(describe_os_error(exc))
         return EXIT_CANNOT_RUN, f"error: {message}", message
     except SystemExit as exc:
         if _stdout_closed_under_typer():
@@ -157,6 +198,15 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             raise
         message = f"internal error: {type(exc).__name__}: {exc} (set STAGE_DEBUG=1 for the traceback)"
         return EXIT_CANNOT_RUN, message, message
+
+
+def _naming_the_default_manifest(message: str) -> str:
+    """`message`, plus the manifest it ran with when no --manifest or $STAGE_MANIFEST chose one."""
+    manifest = sys.modules.get("stager.manifest")  # not imported: no manifest was read
+    default = manifest.default_in_use() if manifest else None
+    if default is None or str(default) in message:
+        return message
+    return f"{message} (manifest: {default}, the default: no --manifest or ${hints.MANIFEST_ENV})"
 
 
 def _app_for(argv: list[str]) -> typer.Typer:
@@ -282,15 +332,17 @@ def _plain_conversions(command) -> None:
             return self._one(value, param, ctx)
 
         def _one(self, value, param, ctx):
+            if self.convert in (int, float):
+                from stager.units import parse_number
+
+                try:
+                    return parse_number(value, self.convert, self.parameter_info.min, self.parameter_info.max)
+                except ValueError as exc:
+                    raise typer.BadParameter(str(exc), ctx=ctx, param=param) from None
             try:
-                converted = self.convert(value)
+                return self.convert(value)
             except (TypeError, ValueError):
                 raise typer.BadParameter(f"{value!r} is not a {_KIND[self.convert]}", ctx=ctx, param=param) from None
-            low, high = self.parameter_info.min, self.parameter_info.max
-            if (low is not None and converted < low) or (high is not None and converted > high):
-                bounds = f"{'' if low is None else f'{low}<='}x{'' if high is None else f'<={high}'}"
-                raise typer.BadParameter(f"{value} is not in the range {bounds}", ctx=ctx, param=param)
-            return converted
 
     help_names = SimpleNamespace(help_option_names=_HELP_NAMES)  # all get_help_option reads of a context
     for sub in (command, *getattr(command, "commands", {}).values()):

@@ -1,4 +1,4 @@
-"""`stage fleet mirror|verify|pack-engram|audit`: the node-local command on every node, over Ray."""
+"""`stage fleet mirror|verify|pack-engram|audit|prune`: the node-local command on every node, over Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, QuietOpt, VerboseOpt, app
+from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, QuietOpt, TimeoutOpt, VerboseOpt, app
 from stager.cli import terminal
 
 
@@ -16,16 +16,19 @@ class FleetCommand(str, Enum):
     verify = "verify"
     pack_engram = "pack-engram"
     audit = "audit"
+    prune = "prune"
 
 
 @app.command()
 def fleet(
     command: Annotated[FleetCommand, typer.Argument(help="The node-local command to run on every node")],
     nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma-separated node names (default: every node in the manifest)")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds before a silent node is reported unreachable")] = 3600,
+    timeout: TimeoutOpt = 3600,
     fan_out: Annotated[bool, typer.Option("--fan-out", help="mirror: one node from the NAS, the rest from staged peers over SFTP (--transport sftp)")] = False,
     transport: Annotated[Optional[str], typer.Option(
-        "--transport", help="mirror: how shared bytes move: nas (every node reads its source), sftp (the peer tree)")] = None,
+        "--transport", help="mirror: how bytes several nodes need move: broadcast (default with 2+ node addresses), sftp (the peer tree), nas (every node reads its source)")] = None,
+    ports: Annotated[Optional[str], typer.Option(
+        "--ports", metavar="LOW-HIGH", help="mirror --transport broadcast: TCP ports the relays listen on (default: any)")] = None,
     full: FullOpt = False,
     subset: Annotated[Optional[str], typer.Option("--subset", help="verify: check bucket N of T (N/T) on every node")] = None,
     allow_unauthenticated_cluster: Annotated[bool, typer.Option(
@@ -41,7 +44,7 @@ def fleet(
     from stager.manifest import load_manifest
 
     names = [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None
-    report = core.run_fleet(load_manifest(manifest), command.value, names, timeout=timeout, fan_out=fan_out, transport=transport,
+    report = core.run_fleet(load_manifest(manifest), command.value, names, timeout=timeout, fan_out=fan_out, transport=transport, ports=ports,
                             full=full, subset=subset, allow_unauthenticated=allow_unauthenticated_cluster)
     if json:
         terminal.emit_json(report.to_json())

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import DryRunOpt, FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, QuietOpt, SeedOpt, VerboseOpt, app
+from stager.cli.app import DryRunOpt, FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, QuietOpt, SeedOpt, VerboseOpt, WaitOpt, app
 from stager.cli import terminal
 
 
@@ -23,9 +23,7 @@ def mirror(
         "--source", metavar="PATH|URL", help="Stage from this hub (a path, or sftp://[user@]host[:port]/path of a peer) "
                                              "instead of the manifest's; verification still compares against the NAS "
                                              "when it answers")] = None,
-    wait: Annotated[float, typer.Option(
-        "--wait", metavar="SECONDS", min=0, help="When another stage process holds the node hub, wait up to "
-                                                 "SECONDS for it instead of exiting 3 at once")] = 0,
+    wait: WaitOpt = 0,
     manifest: ManifestOpt = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
@@ -49,4 +47,5 @@ def mirror(
                         f"{len(report.excluded)} excluded, {terminal.count(len(report.problems), 'problem')} "
                         f"in {report.seconds:.1f}s")
         terminal.print_problems(report.problems, to_stdout=True)
+        terminal.print_pending(report.pending)
     terminal.exit_with(report.problems)

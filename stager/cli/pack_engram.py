@@ -6,19 +6,21 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import JsonOpt, ManifestOpt, OptionalNodeOpt, QuietOpt, VerboseOpt, app
+from stager.cli.app import DryRunOpt, JsonOpt, LayerOpt, ManifestOpt, OptionalNodeOpt, QuietOpt, RankOpt, VerboseOpt, WorldOpt, app
 from stager.cli import terminal
 from stager.errors import StageError
 
 
 @app.command("pack-engram")
 def pack_engram(
-    rank: Annotated[Optional[list[int]], typer.Option(
-        "--rank", "-r", help="TP rank (repeatable) [default: nodes.X.ranks or nodes.X.rank, else every rank]")] = None,
+    rank: RankOpt = None,
     node: OptionalNodeOpt = None,
-    world: Annotated[Optional[int], typer.Option("--world", help="TP size [default: engram.world]")] = None,
-    layer: Annotated[Optional[list[int]], typer.Option("--layer", help="Only this layer (repeatable)")] = None,
+    world: WorldOpt = None,
+    layer: LayerOpt = None,
     from_nas: Annotated[bool, typer.Option("--from-nas", help="Read rows from the NAS if the model is not staged")] = False,
+    full: Annotated[bool, typer.Option("--full", help="Re-derive every row and hash every shard before calling it "
+                                                       "up to date; repack those that differ")] = False,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
     quiet: QuietOpt = False,
@@ -32,7 +34,8 @@ def pack_engram(
     loaded = load_manifest(manifest)
     try:
         name = engram.choose_node(loaded, node)
-        report = engram.pack(loaded, name, ranks=rank, world=world, layers=layer, from_nas=from_nas,
+        report = engram.pack(loaded, name, ranks=rank, world=world, layers=layer, from_nas=from_nas, full=full,
+                             dry_run=dry_run,
                              progress_factory=terminal.byte_progress(not json, "pack-engram"))
     except StageError as exc:
         # The message names tensors and files from the checkpoint: a newline in one must not
@@ -43,8 +46,8 @@ def pack_engram(
         return
     show = terminal.printable
     for shard in report.shards:
-        verb = "skipped" if shard.skipped else "packed "
+        verb = "skipped" if shard.skipped else "would pack" if dry_run else "packed "
         terminal.report(f"{verb} {show(str(shard.spec.path))} rows {shard.spec.lo}..{shard.spec.hi} "
                      f"({terminal.size(shard.spec.bytes)}): {show(shard.reason)}")
-    terminal.report(f"{show(name)}: packed {terminal.size(report.packed_bytes)} from {show(report.source)} "
-                 f"in {report.seconds:.1f}s")
+    terminal.report(f"{show(name)}: {'would pack' if dry_run else 'packed'} {terminal.size(report.packed_bytes)} "
+                    f"from {show(report.source)} in {report.seconds:.1f}s{'; nothing was changed' if dry_run else ''}")

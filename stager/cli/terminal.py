@@ -158,5 +158,12 @@ def print_problems(problems: list, *, to_stdout: bool = False) -> None:
         (report if to_stdout else say)(f"  {problem.kind:<16} {printable(problem.path)}: {printable(problem.detail)}")
 
 
+def print_pending(pending: list) -> None:
+    """One line per NAS revision still downloading, part of the result: which revision is pending
+    and which one the node stays on (hub.Pending). Not a problem: the exit code stays 0."""
+    for item in pending:
+        report(f"  {'pending':<16} {printable(item.describe())}")
+
+
 def size(n: int) -> str:
     return format_size(n)

@@ -47,6 +47,7 @@ def verify(
         terminal.report(f"{node}: {report.mode} verify against {report.against}: {report.ok}/{report.checked} ok, "
                         f"{terminal.count(len(report.problems), 'problem')}")
         terminal.print_problems(report.problems, to_stdout=True)
+        terminal.print_pending(report.pending)
         for command in report.repairs:
             terminal.report(f"repair: {command}")
         for note in report.notes:

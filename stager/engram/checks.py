@@ -43,7 +43,10 @@ def check_shard(spec: ShardSpec, checkpoint: Checkpoint, sums: dict[str, str], *
     model, commit, source blob, layer, rank, TP, layout, rows and bytes equal this run's;
     a SHA256SUMS entry equal to the receipt's sha256; then the rows against the source:
     a seeded sample plus both boundary rows, or (full) every byte re-derived and the
-    file's sha256 against SHA256SUMS.  The tool version is not compared: the format is
+    file's sha256 against SHA256SUMS. A sampled check also hashes the whole shard (a local
+    read, no source rows) when its inode changed after its receipt was written (ctime newer
+    than the receipt's mtime: a write into it, a truncate, a chmod): such a shard whose sha256
+    differs from SHA256SUMS is never "up to date", whichever rows the sample happened to pick.  The tool version is not compared: the format is
     versioned by its magic, and a newer tool has no reason to rewrite identical bytes.
     """
     try:
@@ -73,9 +76,37 @@ def check_shard(spec: ShardSpec, checkpoint: Checkpoint, sums: dict[str, str], *
         try:
             if full:
                 return _full_check(spec, checkpoint, reader, shard, listed)
-            return _sampled_check(spec, checkpoint, reader, shard, seed)
+            sampled = _sampled_check(spec, checkpoint, reader, shard, seed)
         finally:
             reader.close()
+        if sampled is None and _changed_since_receipt(os.fstat(shard.fd), spec):
+            digest = _sha256_of(shard, spec.bytes)
+            if digest != listed:
+                return (f"sha256 {digest} differs from {SUMS_NAME} ({listed}): the shard was changed after "
+                        "it was packed")
+        return sampled
+
+
+def _changed_since_receipt(st: os.stat_result, spec: ShardSpec) -> bool:
+    """Whether the shard's inode changed after its receipt was written. The receipt is written
+    after the shard's rename, so an untouched shard's ctime is never newer; ctime cannot be set
+    back by a user (utime moves it to now), so a later write into the shard always shows."""
+    try:
+        return st.st_ctime_ns > os.lstat(spec.receipt).st_mtime_ns
+    except OSError:
+        return True
+
+
+def _sha256_of(shard: LocalReader, size: int) -> str:
+    hasher = hashlib.sha256()
+    offset = 0
+    while offset < size:
+        chunk = shard.pread(min(8 << 20, size - offset), offset)
+        if not chunk:
+            break
+        hasher.update(chunk)
+        offset += len(chunk)
+    return hasher.hexdigest()
 
 
 def sample_rows(lo: int, hi: int, seed: int, layer: int) -> list[int]:
@@ -147,6 +178,7 @@ def verify_engram(manifest: Manifest, node_name: str, *, full: bool, seed: int |
         report.problems.append(Problem(str(engram_dir), "could_not_check", exc.message))
         return report
     failing: list[int] = []
+    content = False  # a row or the sha256 differs: only a pack that re-derives every row sees it again
     for spec in specs:
         report.checked += 1
         try:
@@ -158,13 +190,17 @@ def verify_engram(manifest: Manifest, node_name: str, *, full: bool, seed: int |
             report.ok += 1
             continue
         kind = "missing" if reason == "not packed yet" else "mismatch"
-        repair = hints.command("pack-engram", "--node", node_name, "--rank", spec.rank)
+        # A sampled pack-engram with its own seed may pick none of the bad rows and call the shard
+        # "up to date": the printed repair once exited 0 while the shard kept failing sha256sum -c.
+        differs = reason.startswith(("row ", "sha256 "))
+        content = content or differs
+        repair = hints.command("pack-engram", "--node", node_name, "--rank", spec.rank, *(["--full"] if differs else []))
         report.problems.append(Problem(str(spec.path), kind, f"{reason} (repair: {repair})"))
         if spec.rank not in failing:
             failing.append(spec.rank)
     if failing:
         ranks = [arg for rank in sorted(failing) for arg in ("--rank", rank)]
-        report.repairs.append(hints.command("pack-engram", "--node", node_name, *ranks))
+        report.repairs.append(hints.command("pack-engram", "--node", node_name, *ranks, *(["--full"] if content else [])))
     return report
 
 

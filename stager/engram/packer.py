@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from stager.atomic import atomic_file, ensure_dir, fsync_dir, open_for_write, sweep_temps
+from stager.atomic import atomic_file, check_writable, ensure_dir, fsync_dir, open_for_write, sweep_temps
 from stager.engram.checkpoint import Checkpoint, open_checkpoint
 from stager.engram.checks import check_shard
 from stager.engram.node_shards import refuse_engram_dir_on_nas, shard_specs, target
@@ -46,7 +46,7 @@ WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every 32 
 @dataclass(frozen=True)
 class PackedShard:
     spec: ShardSpec
-    sha256: str
+    sha256: str | None  # None: a --dry-run's shard that would be packed
     skipped: bool
     reason: str  # why it was (re)packed, or "up to date"
 
@@ -60,6 +60,7 @@ class PackReport:
     source: str
     shards: list[PackedShard] = field(default_factory=list)
     seconds: float = 0.0
+    dry_run: bool = False
 
     @property
     def packed_bytes(self) -> int:
@@ -67,14 +68,19 @@ class PackReport:
 
     def to_json(self) -> dict:
         return {"node": self.node, "source": self.source, "shards": [s.to_json() for s in self.shards],
-                "packed_bytes": self.packed_bytes, "seconds": round(self.seconds, 3)}
+                "packed_bytes": self.packed_bytes, "dry_run": self.dry_run, "seconds": round(self.seconds, 3)}
 
 
 def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, world: int | None = None,
-         layers: list[int] | None = None, from_nas: bool = False,
+         layers: list[int] | None = None, from_nas: bool = False, full: bool = False, dry_run: bool = False,
          progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> PackReport:
     """Pack `ranks` (default: the node's) of every layer; shards that already match are skipped.
-    One writer lock, one space check and one SHA256SUMS rewrite cover the whole run."""
+    One writer lock, one space check and one SHA256SUMS rewrite cover the whole run.
+
+    `full` judges "match" as `stage verify --full` does (every row re-derived, the file's sha256
+    against SHA256SUMS), so a shard with damage a sample cannot see is repacked.
+    `dry_run` plans from what is on disk now and writes nothing (no directory, lock, temp, receipt
+    or SHA256SUMS line); what would stop the real run (no write access, no space) stops it too."""
     started = time.monotonic()
     _engram, node, world, ranks = target(manifest, node_name, world, ranks)
     refuse_engram_dir_on_nas(manifest, node_name)
@@ -82,12 +88,20 @@ def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, 
     specs = shard_specs(manifest, node_name, checkpoint, ranks=ranks, world=world,
                         layers=list(dict.fromkeys(layers)) if layers else None)
     engram_dir = Path(node.engram_dir)
-    report = PackReport(node_name, checkpoint.origin)
+    report = PackReport(node_name, checkpoint.origin, dry_run=dry_run)
+    if dry_run:
+        check_writable(engram_dir)
+        sums = read_sums(engram_dir / SUMS_NAME)
+        plan, _restored = _plan(specs, checkpoint, sums, secrets.randbits(32), full)
+        _preflight(engram_dir, sum(spec.bytes for spec, reason in plan if reason is not None), node.reserve)
+        report.shards = [PackedShard(spec, None, reason is None, reason or "up to date") for spec, reason in plan]
+        report.seconds = time.monotonic() - started
+        return report
     ensure_dir(engram_dir)
     with writer_lock(engram_dir / ENGRAM_LOCK, f"engram directory {engram_dir}"):
         sweep_temps(engram_dir)  # a killed pack leaves a hidden temp as large as the shard
         sums = read_sums(engram_dir / SUMS_NAME)
-        plan, restored = _plan(specs, checkpoint, sums, secrets.randbits(32))
+        plan, restored = _plan(specs, checkpoint, sums, secrets.randbits(32), full)
         todo = [spec for spec, reason in plan if reason is not None]
         _preflight(engram_dir, sum(spec.bytes for spec in todo), node.reserve)
         progress = progress_factory(sum(spec.bytes for spec in todo)) if progress_factory and todo else None
@@ -117,7 +131,7 @@ def pack(manifest: Manifest, node_name: str, *, ranks: list[int] | None = None, 
 
 
 def _plan(specs: list[ShardSpec], checkpoint: Checkpoint, sums: dict[str, str],
-          seed: int) -> tuple[list[tuple[ShardSpec, str | None]], dict[str, str]]:
+          seed: int, full: bool = False) -> tuple[list[tuple[ShardSpec, str | None]], dict[str, str]]:
     """(spec, why it needs packing or None) for every shard, and the SHA256SUMS lines to restore.
 
     SHA256SUMS is written once, at the end of a run, so a run killed after some shards were
@@ -130,11 +144,11 @@ def _plan(specs: list[ShardSpec], checkpoint: Checkpoint, sums: dict[str, str],
         receipt = read_receipt(spec) if spec.path.name not in sums else None
         digest = receipt.get("sha256") if receipt else None
         if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest):
-            reason = check_shard(spec, checkpoint, {**sums, spec.path.name: digest}, seed=seed)
+            reason = check_shard(spec, checkpoint, {**sums, spec.path.name: digest}, seed=seed, full=full)
             if reason is None:
                 restored[spec.path.name] = digest
         else:
-            reason = check_shard(spec, checkpoint, sums, seed=seed)
+            reason = check_shard(spec, checkpoint, sums, seed=seed, full=full)
         plan.append((spec, reason))
     return plan, restored
 

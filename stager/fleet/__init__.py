@@ -3,11 +3,12 @@
 The rooms: `driver` decides which node runs what and collects what each reported; `cluster`
 joins the Ray cluster, and only one that refuses strangers; `node` is what runs inside a node's
 Ray task; `report` is the per-node outcome and the table; `sftp_tree` is the SFTP peer tree
-(--fan-out), a transport: it moves bytes, the driver decides who needs them.
+(--fan-out), and `broadcast/` the pipelined, keyed chain: transports, which move and check
+bytes; `needs` is the driver's decision of who needs which file.
 """
 
-from stager.fleet.driver import LABEL, run_fleet
-from stager.fleet.node import node_argv
+from stager.fleet.driver import run_fleet
+from stager.fleet.node import LABEL, node_argv
 from stager.fleet.report import FleetReport, NodeRun, table
 
 __all__ = ["LABEL", "FleetReport", "NodeRun", "node_argv", "run_fleet", "table"]

@@ -7,56 +7,83 @@ waiting for. A node that is not in the Ray cluster, or that has not answered by 
 reported as unreachable (exit 3); the fleet's exit code is the worst node's.
 
 For `mirror` the driver also decides where each node's bytes come from (the transport): its own
-source (`nas`), a staged peer over SFTP (`sftp`, --fan-out). It never knows how a byte moves:
+source (`nas`), a staged peer over SFTP (`sftp`, --fan-out), or, for the files two or more
+nodes need, the broadcast (`broadcast`, the default), after which each node's own mirror finishes. It never knows how a byte moves:
 that is the transport's, and a transport never decides what a node needs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from stager.errors import EXIT_CANNOT_RUN, EXIT_OK, BadInput
 from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
-from stager.fleet.node import node_argv, run_on_node
-from stager.fleet.report import BYTES_KEY, STATUS, FleetReport, NodeRun, unreachable
+from stager.fleet.node import LABEL, node_argv, run_on_node
+from stager.fleet.report import BYTES_KEY, STATUS, Delivery, FleetReport, NodeRun, unreachable
 from stager.manifest import Manifest
 
-LABEL = "stage-node"
-TRANSPORTS = ("nas", "sftp")
+TRANSPORTS = ("broadcast", "sftp", "nas")
+# The closing mirrors may find a relay's lock still held for a moment while Ray kills its actor.
+LOCK_WAIT = "30"
 
 
 def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
-              fan_out: bool = False, transport: str | None = None, full: bool = False, subset: str | None = None,
-              allow_unauthenticated: bool = False) -> FleetReport:
+              fan_out: bool = False, transport: str | None = None, ports: str | None = None, full: bool = False,
+              subset: str | None = None, allow_unauthenticated: bool = False) -> FleetReport:
     names = list(dict.fromkeys(nodes or manifest.nodes))
     if not names:
         raise BadInput(f"{manifest.path}: nodes: no nodes to run on")
     for name in names:
         manifest.node(name)
     transport = choose_transport(manifest, command, names, fan_out, transport)
+    port_range = parse_ports(ports)
+    if port_range and transport != "broadcast":
+        raise BadInput("--ports applies to the broadcast transport only (stage fleet mirror)")
     options = verify_options(command, full, subset)
     ray = import_ray()
     started = time.monotonic()
+    # Ray prints what its raylets report (a worker killed, ...) on this process's stdout, where
+    # --json promises one object: while Ray is up, whatever it prints goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        address, auth, runs, delivered = _run(ray, manifest, command, names, transport, port_range, options,
+                                              started, timeout, allow_unauthenticated)
+    if transport is not None:
+        runs = {name: with_delivery(manifest, runs[name], transport, delivered.get(name)) for name in names}
+    return FleetReport(command, tuple(runs[name] for name in names), time.monotonic() - started,
+                       transport == "sftp", address, auth, transport)
+
+
+def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str | None,
+         port_range: tuple[int, int] | None, options: tuple[str, ...], started: float, timeout: float,
+         allow_unauthenticated: bool):
     address, auth = connect(ray, min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
+    delivered: dict[str, dict] = {}
     try:
         driver = Driver(ray, manifest, command, started + timeout, timeout, options)
         if transport == "sftp":
             from stager.fleet.sftp_tree import fan_out as stage_by_tree
 
             runs = stage_by_tree(driver, names)
+        elif transport == "broadcast":
+            delivered = broadcast_shared(driver, names, port_range)
+            driver.options = ("--wait", LOCK_WAIT)
+            runs = driver.all_at_once(names)
         else:
             runs = driver.all_at_once(names)
     finally:
         ray.shutdown()
-    return FleetReport(command, tuple(runs[name] for name in names), time.monotonic() - started,
-                       transport == "sftp", address, auth)
+    return address, auth, runs, delivered
 
 
 def choose_transport(manifest: Manifest, command: str, names: list[str], fan_out: bool,
                      transport: str | None) -> str | None:
-    """The transport a mirror uses (None for the other commands). --fan-out is --transport sftp."""
+    """The transport a mirror uses (None for the other commands). --fan-out is --transport sftp.
+    By default the broadcast, when two or more of the nodes have an address to take it on; else
+    every node reads its own source."""
     option = "--fan-out" if fan_out else "--transport"
     if (fan_out or transport) and command != "mirror":
         raise BadInput(f"{option} applies to `stage fleet mirror` only, not {command}")
@@ -65,12 +92,69 @@ def choose_transport(manifest: Manifest, command: str, names: list[str], fan_out
     if transport is not None and transport not in TRANSPORTS:
         raise BadInput(f"--transport expects one of {', '.join(TRANSPORTS)}, got {transport!r}")
     chosen = "sftp" if fan_out else transport
-    if chosen == "sftp" and not any(manifest.nodes[name].address for name in names):
+    addressed = [name for name in names if manifest.nodes[name].address]
+    if chosen == "sftp" and not addressed:
         raise BadInput(f"{manifest.path}: {option} needs nodes.<name>.address = \"[user@]host[:port]\" "
                        f"on the nodes that serve their peers")
+    if chosen == "broadcast" and len(addressed) < 2:
+        raise BadInput(f"{manifest.path}: --transport broadcast needs nodes.<name>.address = \"[user@]host[:port]\" "
+                       f"on at least two of the nodes (the broadcast listens on its host)")
     if command != "mirror":
         return None
-    return chosen or "nas"
+    return chosen or ("broadcast" if len(addressed) >= 2 else "nas")
+
+
+def parse_ports(ports: str | None) -> tuple[int, int] | None:
+    """--ports LOW-HIGH: the TCP ports a relay may listen on (the first free one is taken)."""
+    if ports is None:
+        return None
+    low, _, high = ports.partition("-")
+    try:
+        chosen = (int(low), int(high or low))
+    except ValueError:
+        chosen = (0, -1)
+    if not 1 <= chosen[0] <= chosen[1] <= 65535:
+        raise BadInput(f"--ports expects LOW-HIGH such as 41000-41099, got {ports!r}")
+    return chosen
+
+
+def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] | None) -> dict[str, dict]:
+    """The files two or more nodes need, moved by the broadcast: relays start on the nodes that
+    can take part while every node makes its plan (a dry run). The broadcast gets the deadline
+    less a share kept for the closing mirrors."""
+    from stager.fleet.broadcast.chain import broadcast
+    from stager.fleet.needs import shared_files
+
+    manifest = driver.manifest
+    present = driver.present(names)
+    # Who can take part: an address to listen on, and the NAS itself as source (see needs.py).
+    able = [name for name in present if manifest.nodes[name].address and manifest.source_for(name) == manifest.nas.hub]
+    planner = Driver(driver.ray, manifest, "mirror", driver.deadline, driver.timeout, ("--dry-run",))
+    if len(able) < 2:
+        return {}
+
+    def plan():
+        plans = planner.all_at_once(present)
+        return shared_files(manifest, {name: plans[name] for name in present if name in plans})
+
+    reserve = min(300.0, 0.3 * driver.timeout)
+    return broadcast(driver.ray, manifest, able, plan, deadline=driver.deadline - reserve, ports=ports)
+
+
+def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: dict | None) -> NodeRun:
+    """The node's run with where its bytes came from: what the broadcast delivered, plus what its
+    own mirror copied (from the NAS, or from a peer over SFTP)."""
+    got = delivered or {}
+    copied = int((run.report or {}).get("copied_bytes") or 0)
+    from_nas = run.source == manifest.nas.hub
+    fallbacks = list(got.get("fallbacks") or [])
+    if got.get("error"):
+        fallbacks.append({"path": None, "why": got["error"]})
+    return replace(run, delivery=Delivery(
+        transport, peer_bytes=int(got.get("peer_bytes", 0)) + (0 if from_nas else copied),
+        nas_bytes=int(got.get("nas_bytes", 0)) + (copied if from_nas else 0), fallbacks=tuple(fallbacks),
+        bad_senders=tuple(got.get("bad_senders") or ()), refused=tuple(got.get("refused") or ()),
+        moved_to_tail=bool(got.get("moved_to_tail"))))
 
 
 def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:

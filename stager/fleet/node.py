@@ -11,6 +11,8 @@ import time
 
 from stager.manifest import Manifest
 
+# The Ray node label that carries a node's manifest name: how a task finds its node.
+LABEL = "stage-node"
 KILL_GRACE = 10.0
 PR_SET_PDEATHSIG = 1
 

@@ -8,13 +8,33 @@ from stager.errors import EXIT_CANNOT_RUN, EXIT_OK
 from stager.units import format_size
 
 ALLOW_OPEN = "--allow-unauthenticated-cluster"
-# What the table's "bytes" column shows for each command (verify moves no bytes).
-BYTES_KEY = {"mirror": "copied_bytes", "pack-engram": "packed_bytes", "audit": "needed_bytes"}
+# What the table's "bytes" column shows for each command (verify moves no bytes; prune: bytes freed).
+BYTES_KEY = {"mirror": "copied_bytes", "pack-engram": "packed_bytes", "audit": "needed_bytes", "prune": "freed_bytes"}
 STATUS = {
     "audit": ("ok", "warning", "critical", "unknown"),  # Nagios, as `stage audit` exits
     "default": ("ok", "problems", "bad input", "cannot run"),
 }
 
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a mirrored node's bytes came from, whatever the transport: data bytes from peers and
+    from the NAS (sampled checks not counted), what fell back to the NAS and why, the peers whose
+    chunks failed the run's key, and the connections its relay refused."""
+
+    transport: str
+    peer_bytes: int = 0
+    nas_bytes: int = 0
+    fallbacks: tuple[dict, ...] = ()
+    bad_senders: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
+    moved_to_tail: bool = False  # it fell behind its upstream, and the chain was reordered around it
+
+    def to_json(self) -> dict:
+        return {"transport": self.transport, "peer_bytes": self.peer_bytes, "nas_bytes": self.nas_bytes,
+                "fallbacks": list(self.fallbacks), "bad_senders": list(self.bad_senders),
+                "refused_connections": list(self.refused), "moved_to_tail": self.moved_to_tail}
 
 
 @dataclass(frozen=True)
@@ -31,11 +51,13 @@ class NodeRun:
     error: str | None = None
     bytes: int | None = None
     problems: int | None = None
+    delivery: Delivery | None = None  # mirror only
 
     def to_json(self) -> dict:
         return {"status": self.status, "exit_code": self.exit_code, "bytes": self.bytes,
                 "seconds": None if self.seconds is None else round(self.seconds, 3), "problems": self.problems,
-                "source": self.source, "host": self.host, "error": self.error, "report": self.report}
+                "source": self.source, "host": self.host, "error": self.error,
+                **(self.delivery.to_json() if self.delivery else {}), "report": self.report}
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,14 @@ class FleetReport:
     # "token": the cluster refused a request without one; "disabled": it answered one, and the run
     # went ahead under --allow-unauthenticated-cluster; "unchecked": the check had no clear answer.
     cluster_auth: str = "token"
+    transport: str | None = None  # mirror: "broadcast", "sftp" or "nas"
+
+    @property
+    def nas_bytes(self) -> int | None:
+        """Data bytes the whole fleet read from the NAS (mirror), sampled checks not counted."""
+        if self.command != "mirror":
+            return None
+        return sum(run.delivery.nas_bytes for run in self.runs if run.delivery)
 
     @property
     def exit_code(self) -> int:
@@ -67,7 +97,7 @@ class FleetReport:
     def to_json(self) -> dict:
         return {"command": self.command, "exit_code": self.exit_code, "seconds": round(self.seconds, 3),
                 "fan_out": self.fan_out, "ray_address": self.ray_address, "cluster_auth": self.cluster_auth,
-                "copied_from": self.copied_from,
+                "copied_from": self.copied_from, "transport": self.transport, "nas_bytes": self.nas_bytes,
                 "nodes": {run.node: run.to_json() for run in self.runs}}
 
 
@@ -77,19 +107,41 @@ def unreachable(node: str, why: str, source: str | None = None) -> NodeRun:
 
 
 def table(report: FleetReport, problems_per_node: int = 5) -> list[str]:
-    """The per-node table, each node's first problems, and a closing count."""
-    rows = [("node", "status", "bytes", "seconds", "problems", "detail")]
+    """The per-node table, each node's first problems, and a closing count. A mirror shows where
+    each node's bytes came from instead of one byte count, and names bad senders, fallbacks to
+    the NAS and refused connections below the table."""
+    mirror = report.command == "mirror"
+    head = ("transport", "from NAS", "from peers") if mirror else ("bytes",)
+    rows = [("node", "status", *head, "seconds", "problems", "detail")]
     for run in report.runs:
         detail = run.error or (f"from {run.source}" if run.source else "")
-        rows.append((run.node, run.status, "-" if run.bytes is None else format_size(run.bytes),
-                     "-" if run.seconds is None else f"{run.seconds:.1f}",
+        if mirror:
+            got = run.delivery
+            moved = (got.transport, format_size(got.nas_bytes), format_size(got.peer_bytes)) if got else ("-",) * 3
+        else:
+            moved = ("-" if run.bytes is None else format_size(run.bytes),)
+        rows.append((run.node, run.status, *moved, "-" if run.seconds is None else f"{run.seconds:.1f}",
                      "-" if run.problems is None else str(run.problems), detail))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[5] for row in rows]
+    columns = len(rows[0]) - 1
+    widths = [max(len(row[i]) for row in rows) for i in range(columns)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
     for run in report.runs:
         for problem in ((run.report or {}).get("problems") or [])[:problems_per_node]:
             if isinstance(problem, dict):
                 lines.append(f"  {run.node}: {problem.get('kind')} {problem.get('path')}: {problem.get('detail')}")
+        got = run.delivery
+        if got is None:
+            continue
+        if got.moved_to_tail:
+            lines.append(f"  {run.node}: fell behind its upstream and was moved to the tail of the chain")
+        if got.bad_senders:
+            lines.append(f"  {run.node}: refused chunks that failed the run's key from {', '.join(got.bad_senders)}"
+                         " and fetched them again")
+        for fallback in got.fallbacks[:problems_per_node]:
+            lines.append(f"  {run.node}: fell back to the NAS for {fallback.get('path') or 'every shared file'}: "
+                         f"{fallback.get('why')}")
+        for refused in got.refused[:problems_per_node]:
+            lines.append(f"  {run.node}: refused a broadcast connection from {refused}")
     counts: dict[str, int] = {}
     for run in report.runs:
         counts[run.status] = counts.get(run.status, 0) + 1
@@ -97,8 +149,9 @@ def table(report: FleetReport, problems_per_node: int = 5) -> list[str]:
     copied = report.copied_from
     if copied:
         summary += "; copied " + ", ".join(f"{format_size(n)} from {src}" for src, n in copied.items())
+    if mirror:
+        summary += f"; {format_size(report.nas_bytes or 0)} read from the NAS ({report.transport})"
     if report.cluster_auth != "token":
         lines.append(f"warning: the Ray cluster's authentication is {report.cluster_auth} ({ALLOW_OPEN})")
     lines.append(f"fleet {report.command}: {summary} in {report.seconds:.1f}s (exit {report.exit_code})")
     return lines
-

@@ -20,12 +20,12 @@ class LocalReader:
     """Positioned reads on a local or NFS file. `uncached` drops the client's page cache
     first, so a stale NFS client cache cannot answer for the server's bytes.
 
-    `direct` also opens the file with O_DIRECT, which `readinto` and `readinto_at` use when
-    offset and length are block-aligned (callers pass page-aligned buffers, see
-    aligned_buffer): the disk or the NFS server fills the buffer itself, which saves the page
-    cache's copy and its reclaim, a third of `--full`'s CPU. Anything unaligned, and
-    filesystems without O_DIRECT (ramfs, tmpfs on older kernels, some FUSE), read through the
-    page cache as before."""
+    `direct` also opens the file with O_DIRECT, which `readinto` and `readinto_at` use for the
+    whole blocks of a read from a block-aligned offset (callers pass page-aligned buffers, see
+    aligned_buffer): the disk, the NFS server or the FUSE daemon (sshfs) fills the buffer itself,
+    which saves the page cache's copy and its reclaim, a third of `--full`'s CPU and most of the
+    default mirror's. A last partial block, reads from unaligned offsets, and filesystems
+    without O_DIRECT (ramfs, tmpfs on older kernels, some FUSE) go through the page cache."""
 
     def __init__(self, path: str, *, uncached: bool, sequential: bool = False, direct: bool = False):
         self.path = path
@@ -68,18 +68,28 @@ class LocalReader:
         return got
 
     def readinto_at(self, buffer: memoryview, offset: int) -> int:
-        """One positioned read into `buffer`; how many bytes it got (fewer at the end of the file)."""
-        fd = self.fd
-        if self._direct >= 0 and offset % DIRECT_ALIGN == 0 and len(buffer) % DIRECT_ALIGN == 0:
-            fd = self._direct
+        """One positioned read into `buffer`; how many bytes it got (fewer at the end of the file).
+
+        From a block-aligned offset, the buffer's whole blocks are read direct and only a last
+        partial block (a file's final bytes) through the page cache: reading a file's last piece
+        buffered whole put up to 8 MiB per file through the page cache."""
+        aligned = len(buffer) - len(buffer) % DIRECT_ALIGN if offset % DIRECT_ALIGN == 0 else 0
+        if self._direct < 0 or not aligned:
+            return self._preadv(self.fd, buffer, offset)
+        try:
+            got = self._preadv(self._direct, buffer[:aligned], offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._close_direct()  # a buffer the device refuses: the page cache from here on
+            return self._preadv(self.fd, buffer, offset)
+        if got < aligned or aligned == len(buffer):
+            return got
+        return got + self._preadv(self.fd, buffer[aligned:], offset + aligned)
+
+    def _preadv(self, fd: int, buffer: memoryview, offset: int) -> int:
         with reaching(self.path):
-            try:
-                return os.preadv(fd, [buffer], offset)
-            except OSError as exc:
-                if fd == self.fd or exc.errno != errno.EINVAL:
-                    raise
-                self._close_direct()  # a buffer the device refuses: the page cache from here on
-                return os.preadv(self.fd, [buffer], offset)
+            return os.preadv(fd, [buffer], offset)
 
     def _close_direct(self) -> None:
         if self._direct >= 0:
@@ -106,9 +116,24 @@ class LocalReader:
         self.close()
 
 
+HUGE_PAGE = 2 * 1024 * 1024
+
+
 def aligned_buffer(size: int) -> mmap.mmap:
-    """A page-aligned, writable buffer (anonymous memory), as O_DIRECT needs."""
-    return mmap.mmap(-1, size)
+    """A page-aligned, writable buffer (anonymous memory), as O_DIRECT needs.
+
+    Buffers of a huge page or more ask for transparent huge pages: an O_DIRECT request from
+    physically contiguous memory goes to the disk in fewer, larger pieces. An 8 MiB direct copy
+    of 168 MB here took 0.45-0.52 s with them and 0.70-0.85 s without, at the same CPU."""
+    # MAP_PRIVATE: Python's default for anonymous maps is MAP_SHARED, which is shmem, whose page
+    # lookups (shmem_get_folio) and pinning were the largest kernel cost of a direct copy.
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP compiled out or disabled: ordinary pages, as before
+            pass
+    return buffer
 
 
 def reopen_direct(fd: int, flags: int) -> int:

@@ -37,11 +37,13 @@ from urllib.parse import urlsplit
 
 from stager.errors import BadInput, CannotRun
 from stager.sources.base import Stat, absolute_to_rel, relative_inside, stat_from_mode
+from stager.units import parse_number
 
 SSH_KEY_ENV = "STAGE_SSH_KEY"
 KNOWN_HOSTS_ENV = "STAGE_SSH_KNOWN_HOSTS"
 TIMEOUT_ENV = "STAGE_SSH_TIMEOUT"
 DEFAULT_TIMEOUT = 30.0
+MAX_TIMEOUT = 3600.0  # an SSH reply later than an hour is a dead peer
 SSH_CONFIG = "~/.ssh/config"
 KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
 # OpenSSH allows 10 sessions per connection (MaxSessions); fsspec's own session is one of them.
@@ -74,10 +76,10 @@ def ssh_timeout() -> float:
     if not text:
         return DEFAULT_TIMEOUT
     try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
+        value = parse_number(text, float, 0, MAX_TIMEOUT)
+    except ValueError as exc:
+        raise BadInput(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds above 0: {exc}") from None
+    if value == 0:
         raise BadInput(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds above 0")
     return value
 
@@ -428,6 +430,10 @@ class RemoteReader:
     def pread(self, length: int, offset: int) -> bytes:
         buffer = bytearray(max(0, min(length, self.size - offset)))
         return bytes(buffer[:self._read_at(memoryview(buffer), offset)])
+
+    def readinto_at(self, buffer: memoryview, offset: int) -> int:
+        """One positioned read into `buffer`; how many bytes it got (fewer at the end of the file)."""
+        return self._read_at(buffer, offset)
 
     def readinto(self, buffer: memoryview) -> int:
         got = self._read_at(buffer, self._pos)

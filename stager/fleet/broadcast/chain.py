@@ -1,0 +1,162 @@
+"""The driver's side of the broadcast: one relay per node (a Ray actor pinned to it), one chain
+per session, and what each node got from where.
+
+The driver hands this module the sessions it decided on (which files, for which nodes); the
+chain only moves and checks bytes. Every wait is bounded: a relay that cannot start, dies or
+outlives the broadcast's share of the deadline is killed, and what it did not land is copied
+from the NAS by the node's closing `stage mirror`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from stager.fleet.broadcast.keys import mint
+from stager.fleet.broadcast.relay import Relay, Session, Share
+from stager.fleet.node import LABEL
+from stager.manifest import Manifest
+
+OPEN_TIMEOUT = 60.0
+CLOSE_TIMEOUT = 10.0
+# How the driver spots a laggard: every WATCH_INTERVAL it asks each relay how much it holds; a
+# node holding less than LAG_FRACTION of what its upstream holds, once that is LAG_MIN_BYTES,
+# goes to the tail.
+WATCH_INTERVAL = 1.0
+PROGRESS_TIMEOUT = 2.0
+LAG_FRACTION = 0.5
+LAG_MIN_BYTES = 32 * 1024 * 1024  # 4 chunks: more than a healthy relay's lag of one or two
+
+
+def bind_host(address: str) -> str:
+    """The host part of `nodes.X.address` ([user@]host[:port], the port being SSH's)."""
+    host = address.rpartition("@")[2]
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.split(":", 1)[0] if host.count(":") == 1 else host
+
+
+def broadcast(ray, manifest: Manifest, nodes: list[str],
+              plan: Callable[[], list[tuple[tuple[str, ...], tuple[Share, ...]]]], *,
+              deadline: float, ports: tuple[int, int] | None) -> dict[str, dict]:
+    """Start a relay on each of `nodes`, then (while they start) ask `plan` for the sessions, then
+    run every session's chain. Returns per node {peer_bytes, nas_bytes, landed_files, fallbacks,
+    bad_senders, refused, error}. The key and run id are minted here and go to the relays as
+    arguments of `open`, over Ray's authenticated channel, and nowhere else."""
+    key, run_id = mint()
+    stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "fallbacks": [], "bad_senders": [],
+                    "refused": [], "error": None} for name in nodes}
+    actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=32)(Relay)
+    relays = {}
+    for name in nodes:
+        config = manifest.nodes[name]
+        relays[name] = actor.options(label_selector={LABEL: name}, name=f"stage broadcast {name}").remote(
+            name, config.hub, manifest.nas.hub, dict(manifest.nas.aliases),
+            tuple(manifest.local_sources([manifest.nas.hub])))
+    try:
+        # The relays start (a Ray worker each) while the nodes make their plans.
+        opening = {name: relays[name].open.remote(bind_host(manifest.nodes[name].address), ports, key, run_id)
+                   for name in nodes}
+        sessions = plan()
+        needed = {name for members, _ in sessions for name in members}
+        listening = {}
+        for name, ref in opening.items():
+            try:
+                listening[name] = ray.get(ref, timeout=max(1.0, min(OPEN_TIMEOUT, deadline - time.monotonic())))
+            except Exception as exc:  # noqa: BLE001 - this node stages from the NAS instead
+                if name in needed:
+                    stats[name]["error"] = f"relay did not start: {_last_line(exc)}"
+        for number, (members, files) in enumerate(sessions):
+            chain = tuple((name, bind_host(manifest.nodes[name].address), listening[name])
+                          for name in members if name in listening)
+            if len(chain) < 2:
+                continue  # one node left: it reads the NAS itself, in its mirror
+            _run_chain(ray, relays, Session(number, files, chain), stats, deadline)
+    finally:
+        _close(ray, relays, stats)
+    return stats
+
+
+def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], deadline: float) -> None:
+    running = {relays[name].run.remote(session): name for name, _, _ in session.chain}
+    watch = _Laggards(ray, relays, session)
+    while running:
+        ready, _ = ray.wait(list(running), num_returns=1,
+                            timeout=max(0.0, min(WATCH_INTERVAL, deadline - time.monotonic())))
+        if not ready:
+            if time.monotonic() >= deadline:
+                for name in running.values():
+                    stats[name]["error"] = "the broadcast did not finish within its share of --timeout"
+                    ray.kill(relays[name], no_restart=True)
+                return
+            watch.check(set(running.values()))
+            continue
+        name = running.pop(ready[0])
+        try:
+            got = ray.get(ready[0])
+        except Exception as exc:  # noqa: BLE001 - the relay died (kill -9, OOM): its mirror stages it
+            stats[name]["error"] = f"relay failed: {_last_line(exc)}"
+            continue
+        mine = stats[name]
+        for field in ("peer_bytes", "nas_bytes", "landed_files"):
+            mine[field] += got[field]
+        mine["fallbacks"] += got["fallbacks"]
+        mine["bad_senders"] = sorted(set(mine["bad_senders"]) | set(got["bad_senders"]))
+    for name in watch.moved:
+        stats[name]["moved_to_tail"] = True
+
+
+class _Laggards:
+    """A node far behind its upstream holds back every node after it: it is moved to the tail of
+    the chain, where the last node serves it from disk, and its downstream takes the chunks from
+    its upstream instead. Once per node, and never the head (it reads the NAS for everyone)."""
+
+    def __init__(self, ray, relays: dict, session: Session):
+        self.ray, self.relays, self.session = ray, relays, session
+        self.chain = session.chain
+        self.moved: set[str] = set()
+        self.total = sum(share.size for share in session.files)
+
+    def check(self, running: set[str]) -> None:
+        names = [name for name, _, _ in self.chain]
+        refs = {name: self.relays[name].progress.remote(self.session.number) for name in names if name in running}
+        try:
+            held = dict(zip(refs, self.ray.get(list(refs.values()), timeout=PROGRESS_TIMEOUT)))
+        except Exception:  # noqa: BLE001 - a relay that does not answer is routed around by its downstream
+            return
+        for name in names:
+            held.setdefault(name, self.total)  # finished (or gone: its downstream looks elsewhere)
+        name = laggard(names, held, self.moved)
+        if name is not None:
+            self.moved.add(name)
+            self.chain = tuple(hop for hop in self.chain if hop[0] != name) + tuple(
+                hop for hop in self.chain if hop[0] == name)
+            for other in running:
+                self.relays[other].reroute.remote(self.session.number, self.chain)
+
+
+def laggard(names: list[str], held: dict[str, int], moved: set[str]) -> str | None:
+    """The first node (not the head, not the tail, not moved before) holding less than
+    LAG_FRACTION of what its upstream holds, once the upstream holds LAG_MIN_BYTES."""
+    for index in range(1, len(names) - 1):
+        name, upstream = names[index], names[index - 1]
+        if name not in moved and held[upstream] >= LAG_MIN_BYTES and held[name] < LAG_FRACTION * held[upstream]:
+            return name
+    return None
+
+
+def _close(ray, relays: dict, stats: dict[str, dict]) -> None:
+    """Close every relay (it releases the hub's lock), then kill its actor: no relay outlives the
+    broadcast, so the closing mirrors find the hubs free."""
+    closing = {name: relay.close.remote() for name, relay in relays.items()}
+    for name, ref in closing.items():
+        try:
+            stats[name]["refused"] = ray.get(ref, timeout=CLOSE_TIMEOUT)["refused"]
+        except Exception:  # noqa: BLE001 - already dead or hung: killed below
+            pass
+        ray.kill(relays[name], no_restart=True)
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__

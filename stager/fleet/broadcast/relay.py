@@ -1,0 +1,454 @@
+"""A node's part in a broadcast: the relay, run inside the node's Ray actor.
+
+For each session (the files one set of nodes all need, and the chain over exactly those nodes)
+the relay receives every file from the nearest live node before it in the chain, or reads it
+from the NAS when it is the head or no upstream is left. Every chunk's key (keys.chunk_mac) is
+checked before the chunk is written or passed on. The file lands through the executor's own
+check-and-rename (execute.land_verified: sampled against the NAS before the rename), so nothing
+a peer sends reaches a final name unverified.
+
+Downstream nodes are served from what this relay has already written, never from its receive
+buffers: a slow or dead downstream cannot stall the relay's own receive, and a downstream can
+resume from any (file, chunk) it asks for, on any holder. Whatever the relay cannot land (a bad
+or silent upstream with no other holder and an unreadable NAS, a file that changed) is left to
+the node's closing `stage mirror`, which copies it from the NAS: a fallback, reported.
+
+The relay holds the node hub's writer lock from `open` to `close`; a relay killed at any point
+leaves only temp files (swept by the next mirror) and the blobs it had fully checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import posixpath
+import resource
+import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from stager.copier import DirectWriter, SourceChanged
+from stager.errors import CannotRun
+from stager.execute import land_verified, writable_dir
+from stager.fingerprint import Reference
+from stager.fleet.broadcast.keys import MAC_BYTES, Refused, admit, chunk_mac, join, mac_ok, recv_exact
+from stager.lock import HUB_LOCK, writer_lock
+from stager.observe import DigestCache
+from stager.plan import CopyFile
+from stager.sources import open_source
+from stager.sources.local import aligned_buffer
+
+log = logging.getLogger("stager.fleet.broadcast")
+
+CHUNK = 8 * 1024 * 1024
+SOCKET_BUFFER = 8 * 1024 * 1024
+CONNECT_TIMEOUT = 5.0
+HANDSHAKE_TIMEOUT = 10.0
+# An upstream that sends nothing for this long is routed around (a hung node, a cut link).
+STALL_TIMEOUT = 15.0
+# How long a downstream that asks first waits for this node to start the same session.
+SESSION_WAIT = 30.0
+SEND_TIMEOUT = 60.0
+
+DATA, LOST, END = 1, 2, 3
+FRAME = struct.Struct("<BIQI32s")  # kind, file id, offset, length, the head's chunk key
+REQUEST = struct.Struct("<IHI")  # session, length of the node name, number of files
+NO_MAC = bytes(MAC_BYTES)
+
+
+@dataclass(frozen=True)
+class Share:
+    """One file that several nodes need: its hub-relative name on the node and on the NAS."""
+
+    dest: str
+    source: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Session:
+    """The files one set of nodes needs, and the chain over exactly those nodes, head first."""
+
+    number: int
+    files: tuple[Share, ...]
+    chain: tuple[tuple[str, str, int], ...]  # (node, host, port)
+
+
+class _Held:
+    """One file of a session on this node: how much of it is written, with the chunks' keys."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.have = 0  # written and checked, from offset 0: always a whole number of chunks, or size
+        self.fd = -1  # a read descriptor of the temp file: it survives the rename
+        self.macs: dict[int, bytes] = {}
+        self.lost = False  # this node will not get the rest: downstream nodes look elsewhere
+
+
+class _Protocol(Exception):
+    """An upstream sent something other than the chunk that was due."""
+
+
+def listen(host: str, ports: tuple[int, int] | None) -> socket.socket:
+    """A listening socket on `host`, on the first free port of `ports` (else one the kernel picks)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    last: OSError | None = None
+    for port in range(ports[0], ports[1] + 1) if ports else (0,):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        # Set on the listener, so every accepted connection starts with windows this large.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        try:
+            sock.bind((host, port))
+            sock.listen(16)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    where = f"ports {ports[0]}-{ports[1]}" if ports else "any port"
+    raise CannotRun(f"cannot listen on {host} ({where}) for the broadcast: {last.strerror if last else 'no port'}")
+
+
+class Relay:
+    """One node's relay for one fleet run. Built in the node's Ray actor; the key arrives with
+    `open`, as a Ray call's argument, and lives in this object only."""
+
+    def __init__(self, node: str, hub: str, nas: str, aliases: dict[str, str], never_write: tuple[str, ...]):
+        self.node = node
+        self.hub = Path(hub)
+        self.nas_url = nas
+        self.aliases = dict(aliases)
+        self.never_write = tuple(never_write)
+        self.cond = threading.Condition()
+        self.sessions: dict[int, list[_Held]] = {}
+        self.routes: dict[int, tuple] = {}  # session -> the chain as last rerouted by the driver
+        self.refused: list[str] = []
+        self.closed = False
+        self.listener: socket.socket | None = None
+        self._lock = contextlib.ExitStack()
+        self._key = b""
+        self._run_id = b""
+
+    # ---- the run's life -------------------------------------------------------------------------
+
+    def open(self, host: str, ports: tuple[int, int] | None, key: bytes, run_id: bytes) -> int:
+        """Take the node hub's writer lock and listen on `host`; returns the port."""
+        self._key, self._run_id = key, run_id
+        try:
+            self.hub.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CannotRun(f"node hub {self.hub} cannot be created: {exc.strerror}") from None
+        self._lock.enter_context(writer_lock(self.hub / HUB_LOCK, f"local hub {self.hub}"))
+        # One read descriptor per landed file stays open to serve it: a model of many shards
+        # would run into a soft limit of 1,024.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        self.listener = listen(host, ports)
+        threading.Thread(target=self._accept_loop, name="stage-broadcast-accept", daemon=True).start()
+        return self.listener.getsockname()[1]
+
+    def progress(self, number: int) -> int:
+        """Bytes of the session this node holds so far (the driver watches for a laggard)."""
+        with self.cond:
+            return sum(held.size if held.lost else held.have for held in self.sessions.get(number, ()))
+
+    def reroute(self, number: int, chain: tuple[tuple[str, str, int], ...]) -> None:
+        """A new order for the session's chain (a laggard moved to the tail): this node takes
+        its chunks from its new upstream from the next chunk on."""
+        with self.cond:
+            self.routes[number] = chain
+
+    def close(self) -> dict:
+        """Stop serving, close every descriptor, release the lock. Returns who was refused."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        if self.listener is not None:
+            self.listener.close()
+        with self.cond:
+            for files in self.sessions.values():
+                for held in files:
+                    if held.fd >= 0:
+                        os.close(held.fd)
+                        held.fd = -1
+        self._lock.close()
+        self._key = b""
+        return {"refused": list(self.refused)}
+
+    # ---- receiving ------------------------------------------------------------------------------
+
+    def run(self, session: Session) -> dict:
+        """Receive and land every file of the session; returns what came from where."""
+        files = [_Held(share.size) for share in session.files]
+        with self.cond:
+            self.sessions[session.number] = files
+            self.cond.notify_all()
+        nas = open_source(self.nas_url, self.aliases)
+        feed = _Feed(self, session, files)
+        cache = DigestCache(nas, secrets.randbits(32))
+        landed = 0
+        try:
+            for file_id, share in enumerate(session.files):
+                try:
+                    self._land(file_id, share, nas, cache, feed)
+                    landed += 1
+                except Exception as exc:  # noqa: BLE001 - any failure: the node's mirror copies it from the NAS
+                    feed.fallbacks.append({"path": share.dest, "why": _why(exc)})
+                    with self.cond:
+                        files[file_id].lost = True
+                        self.cond.notify_all()
+        finally:
+            feed.close()
+        return {"peer_bytes": feed.peer_bytes, "nas_bytes": feed.nas_bytes, "landed_files": landed,
+                "fallbacks": feed.fallbacks, "bad_senders": sorted(set(feed.bad_senders)),
+                "upstreams": feed.used}
+
+    def _land(self, file_id: int, share: Share, nas, cache: DigestCache, feed: "_Feed") -> None:
+        meta = nas.lstat(share.source)
+        if meta is None or meta.kind != "file" or meta.size != share.size:
+            raise SourceChanged(errno.EIO, "the NAS file changed since the plan")
+        writable_dir(self.hub, posixpath.dirname(share.dest), self.never_write)
+        # The reference is unused: a fleet mirror checks by samples against the NAS.
+        copy = CopyFile(share.dest, share.source, share.size, meta.mtime_ns, Reference("blake3", None, "source copy"),
+                        "broadcast")
+        land_verified(copy, nas, self.hub, cache, False,
+                      lambda reader, out, hasher: feed.fill(file_id, reader, out, hasher))
+
+    # ---- serving --------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        listener = self.listener
+        listener.settimeout(0.5)
+        while not self.closed:
+            try:
+                conn, address = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn, address), name="stage-broadcast-serve",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket, address) -> None:
+        peer = f"{address[0]}:{address[1]}"
+        with conn:
+            try:
+                conn.settimeout(HANDSHAKE_TIMEOUT)
+                admit(conn, self._key, self._run_id)
+            except (Refused, OSError) as exc:
+                why = str(exc) if isinstance(exc, Refused) else f"it left before proving the run's key ({_why(exc)})"
+                with self.cond:
+                    self.refused.append(f"{peer}: {why}")
+                log.warning("%s refused a broadcast connection from %s: %s", self.node, peer, why)
+                return
+            try:
+                number, offsets = _read_request(conn)
+                files = self._session(number)
+                if files is None or len(offsets) != len(files):
+                    return
+                conn.settimeout(SEND_TIMEOUT)
+                buffer = aligned_buffer(CHUNK)
+                for file_id, start in enumerate(offsets):
+                    if not self._send_file(conn, file_id, files[file_id], start, buffer):
+                        return
+                conn.sendall(FRAME.pack(END, 0, 0, 0, NO_MAC))
+            except (OSError, _Protocol):
+                return  # the downstream went away or spoke nonsense: it reconnects to another holder
+
+    def _session(self, number: int) -> list[_Held] | None:
+        with self.cond:
+            self.cond.wait_for(lambda: number in self.sessions or self.closed, timeout=SESSION_WAIT)
+            return self.sessions.get(number)
+
+    def _send_file(self, conn: socket.socket, file_id: int, held: _Held, offset: int, buffer) -> bool:
+        """Send the file from `offset` as this node gets it; False when this node is closing."""
+        while offset < held.size:
+            with self.cond:
+                while held.have <= offset and not held.lost and not self.closed:
+                    self.cond.wait(1.0)
+                if self.closed:
+                    return False
+                if held.have <= offset:
+                    conn.sendall(FRAME.pack(LOST, file_id, offset, 0, NO_MAC))
+                    return True
+                mac = held.macs[offset // CHUNK]
+                fd = held.fd
+            length = min(CHUNK, held.size - offset)
+            view = memoryview(buffer)[:length]
+            if os.preadv(fd, [view], offset) != length:
+                raise OSError(errno.EIO, "its own copy is shorter than what it received")
+            conn.sendall(FRAME.pack(DATA, file_id, offset, length, mac))
+            conn.sendall(view)
+            offset += length
+        return True
+
+
+class _Feed:
+    """Where this node's chunks come from: the nearest live upstream, else the NAS."""
+
+    def __init__(self, relay: Relay, session: Session, files: list[_Held]):
+        self.relay = relay
+        self.session = session
+        self.files = files
+        self.route = session.chain
+        self.shunned: set[str] = set()  # upstreams that died, went silent or sent a bad chunk
+        self.candidates = self._upstreams(session.chain)
+        self.conn: socket.socket | None = None
+        self.upstream = ""
+        self.lost: set[int] = set()  # files the current upstream said it does not hold
+        self.buffer = aligned_buffer(CHUNK)
+        self.peer_bytes = 0
+        self.nas_bytes = 0
+        self.fallbacks: list[dict] = []
+        self.bad_senders: list[str] = []
+        self.used: list[str] = []
+
+    def fill(self, file_id: int, reader, out, hasher) -> None:
+        """land_verified's fill: the file's chunks, each checked, written at its offset."""
+        relay, held = self.relay, self.files[file_id]
+        held.fd = os.open(f"/proc/self/fd/{out.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        writer = DirectWriter(out.fd)
+        try:
+            while held.have < held.size:
+                offset = held.have
+                view = memoryview(self.buffer)[:min(CHUNK, held.size - offset)]
+                mac = self._from_peers(file_id, offset, view)
+                if mac is None:
+                    if reader.readinto_at(view, offset) != len(view):
+                        raise SourceChanged(errno.EIO, f"the NAS file ended before {held.size} bytes")
+                    mac = chunk_mac(relay._key, relay._run_id, file_id, offset, view)
+                    self.nas_bytes += len(view)
+                else:
+                    self.peer_bytes += len(view)
+                writer.write(view, offset)
+                if hasher is not None:
+                    hasher.update(view)
+                with relay.cond:
+                    held.macs[offset // CHUNK] = mac
+                    held.have = offset + len(view)
+                    relay.cond.notify_all()
+                view.release()
+        finally:
+            writer.close()
+
+    def _from_peers(self, file_id: int, offset: int, view: memoryview) -> bytes | None:
+        """The chunk at `offset` into `view` from an upstream, checked; its key. None: read it
+        from the NAS (no upstream is left, or the upstream does not hold the file)."""
+        relay = self.relay
+        while True:
+            self._follow_route()
+            if file_id in self.lost:
+                return None
+            if self.conn is None and not self._connect():
+                return None
+            try:
+                kind, got_file, got_offset, length, mac = FRAME.unpack(recv_exact(self.conn, FRAME.size))
+                if kind == LOST and got_file == file_id:
+                    self.lost.add(file_id)
+                    return None
+                if (kind, got_file, got_offset, length) != (DATA, file_id, offset, len(view)):
+                    raise _Protocol(f"sent frame {kind} for file {got_file} at {got_offset} ({length} bytes) where "
+                                    f"file {file_id} at {offset} was due")
+                _recv_into(self.conn, view)
+            except (OSError, _Protocol) as exc:
+                log.warning("%s: upstream %s lost (%s); trying the next holder", relay.node, self.upstream, _why(exc))
+                if isinstance(exc, _Protocol):
+                    self.bad_senders.append(self.upstream)
+                self._drop()
+                continue
+            if mac_ok(chunk_mac(relay._key, relay._run_id, file_id, offset, view), mac):
+                return mac
+            # Refused: not written, not passed on; the same chunk is asked of the next holder.
+            log.warning("%s: a chunk from %s failed its key (file %d, offset %d); refused", relay.node,
+                        self.upstream, file_id, offset)
+            self.bad_senders.append(self.upstream)
+            self._drop()
+
+    def _upstreams(self, chain) -> list[tuple[str, str, int]]:
+        """The nodes before this one in `chain`, nearest first: who to ask, in turn, before the NAS."""
+        names = [name for name, _, _ in chain]
+        return [hop for hop in reversed(chain[:names.index(self.relay.node)]) if hop[0] not in self.shunned]
+
+    def _follow_route(self) -> None:
+        """Take a rerouted chain into use: a new nearest upstream is asked from the next chunk on."""
+        with self.relay.cond:
+            route = self.relay.routes.get(self.session.number, self.route)
+        if route == self.route:
+            return
+        self.route = route
+        self.candidates = self._upstreams(route)
+        if self.conn is not None and (not self.candidates or self.candidates[0][0] != self.upstream):
+            self.conn.close()
+            self.conn = None
+
+    def _connect(self) -> bool:
+        relay = self.relay
+        while self.candidates:
+            name, host, port = self.candidates[0]
+            sock = None
+            try:
+                sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+                sock.settimeout(HANDSHAKE_TIMEOUT)
+                join(sock, relay._key, relay._run_id)
+                sock.sendall(self._request())
+                sock.settimeout(STALL_TIMEOUT)
+            except (OSError, Refused) as exc:
+                if sock is not None:
+                    sock.close()
+                if isinstance(exc, Refused):
+                    self.bad_senders.append(name)
+                log.warning("%s: cannot take the broadcast from %s (%s)", relay.node, name, _why(exc))
+                self.shunned.add(name)
+                self.candidates.pop(0)
+                continue
+            self.conn, self.upstream, self.lost = sock, name, set()
+            self.used.append(name)
+            return True
+        return False
+
+    def _request(self) -> bytes:
+        """Where to start each file: what this node already holds (all of a file it is done with)."""
+        me = self.relay.node.encode()
+        offsets = [held.size if held.lost else held.have for held in self.files]
+        return (REQUEST.pack(self.session.number, len(me), len(offsets)) + me
+                + struct.pack(f"<{len(offsets)}Q", *offsets))
+
+    def _drop(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = None
+        if self.candidates:
+            self.shunned.add(self.candidates.pop(0)[0])
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def _read_request(conn: socket.socket) -> tuple[int, list[int]]:
+    number, name_length, count = REQUEST.unpack(recv_exact(conn, REQUEST.size))
+    if name_length > 255 or count > 1 << 20:
+        raise _Protocol("an oversized request")
+    recv_exact(conn, name_length)
+    return number, list(struct.unpack(f"<{count}Q", recv_exact(conn, 8 * count)))
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        got = sock.recv_into(view[done:])
+        if not got:
+            raise ConnectionError(f"the connection closed after {done} of {len(view)} bytes of a chunk")
+        done += got
+
+
+def _why(exc: BaseException) -> str:
+    return (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).strip()
