@@ -694,6 +694,11 @@ def test_each_node_runs_the_node_local_command_with_its_own_rank(nas, sshd, tmp_
     assert node_argv(manifest, "pack-engram", "dgx3") == [
         "pack-engram", "--node", "dgx3", "--json", "--manifest", path, "--rank", "2"]
     assert node_argv(manifest, "audit", "dgx3") == ["audit", "--node", "dgx3", "--json", "--manifest", path]
+    # `stage fleet prune`: each node's own prune, its bytes column the bytes it freed.
+    from stager.fleet.report import BYTES_KEY
+
+    assert node_argv(manifest, "prune", "dgx1") == ["prune", "--node", "dgx1", "--json", "--manifest", path]
+    assert BYTES_KEY["prune"] == "freed_bytes"
     assert node_argv(manifest, "mirror", "dgx2", "sftp://peer/hub")[-2:] == ["--source", "sftp://peer/hub"]
     assert node_argv(manifest, "verify", "dgx1", None, ("--subset", "0/3")) == [
         "verify", "--node", "dgx1", "--json", "--manifest", path, "--subset", "0/3"]
