@@ -45,6 +45,8 @@ NOT_RUN = {
         "a test run of its own",
     ("fleet.md", "python scripts/fleet_lab.py up --nodes 4 --rate 100 --size 48MiB | jq .    # hold a lab until Ctrl-C"):
         "network namespaces held until Ctrl-C; the lab's own tests run scripts/fleet_lab.py",
+    ("fleet.md", "# on every node, for the cluster network 10.0.0.0/24 (nftables)"):
+        "changes the host's firewall (nftables); the lab's tests open the same ports between namespaces",
     ("operations.md", "install -m 644 scripts/stage-audit.cron /etc/cron.d/stage-audit"):
         "installs into the host's /etc; tests/test_audit.py runs the cron line's command",
     ("operations.md", "install -m 644 scripts/stage-audit.service scripts/stage-audit.timer /etc/systemd/system/"):
