@@ -198,7 +198,8 @@ def test_the_broadcast_is_flat_in_n_reads_the_nas_once_and_refuses_a_stranger(la
     assert_every_byte_right(lab)
     report = every.report
     assert report["transport"] == "broadcast"
-    assert sum(report["nodes"][n]["peer_bytes"] for n in nodes) == (len(nodes) - 1) * data
+    shards = data - len(b'{"architectures": ["LabForCausalLM"]}')  # the config.json is each node's own copy
+    assert sum(report["nodes"][n]["peer_bytes"] for n in nodes) == (len(nodes) - 1) * shards
     # Time: flat in N within CI's bounds, and never slower than every node reading the NAS.
     link_seconds = data * 8 / (lab.config.rate_mbit * 1e6)
     assert every.seconds / one_node.seconds <= FLAT_IN_N, (every.seconds, one_node.seconds)
@@ -259,8 +260,8 @@ def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab):
     assert_every_byte_right(lab)
 
 
-@pytest.mark.xfail(reason="not yet seen passing on the lab: its first run followed the killed-node test",
-                   strict=False)
+@pytest.mark.xfail(reason="measured: with dgx2 at a quarter of the rate the others landed in 46 s against 16 s "
+                          "clean (lab-findings, docs/fleet.md)", strict=False)
 def test_a_node_at_a_quarter_of_the_rate_does_not_hold_the_others_back(lab):
     nodes = list(lab.nodes)
     clean_start = time.time()
