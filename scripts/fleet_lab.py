@@ -75,6 +75,21 @@ SFTP_SERVERS = ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-serve
 # Ethernet (14) + IPv4 (20) + TCP with timestamps (32): what each frame adds to the TCP payload.
 FRAME_OVERHEAD = 66
 _RUN_ID = re.compile(r"^[0-9a-f]{4}$")
+# Loaded by every Python process of a corrupting node (Lab.corrupting): large sends lose a bit.
+CORRUPTING_SITE = '''import socket
+
+_sendall = socket.socket.sendall
+
+
+def _corrupting_sendall(self, data, *args):
+    if len(data) >= 1 << 20:
+        data = bytearray(data)
+        data[len(data) // 2] ^= 0x01
+    return _sendall(self, data, *args)
+
+
+socket.socket.sendall = _corrupting_sendall
+'''
 
 
 def ray_bin() -> str:
@@ -298,7 +313,7 @@ class Lab:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
         keys = self.ssh_key.parent
         workdir = self.root / "sshd" / member.name
-        workdir.mkdir(parents=True)
+        workdir.mkdir(parents=True, exist_ok=True)
         sftp = f"{sftp_server} -e -l INFO 2>>{workdir / 'sftp.log'}" if log else sftp_server
         if log:
             self.sftp_log = workdir / "sftp.log"
@@ -334,6 +349,10 @@ Subsystem sftp {sftp}
                     # 1: listen on and register the node's own address (0 keeps Ray on loopback, and
                     # `ray start --address` then refuses to join).
                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_USAGE_STATS_ENABLED": "0",
+                    # A machine shared with other work starves raylets for seconds at a time; by
+                    # default the GCS marks a node dead after 5 missed 10 s health checks, and the
+                    # lab would then measure Ray's detector, not the transport.
+                    "RAY_health_check_timeout_ms": "30000", "RAY_health_check_failure_threshold": "10",
                     "STAGE_SSH_KEY": str(self.ssh_key), "STAGE_SSH_KNOWN_HOSTS": str(self.known_hosts)})
         return env
 
@@ -347,26 +366,48 @@ Subsystem sftp {sftp}
     def _start_ray(self) -> None:
         ports = free_ports(self.head_address, 5)
         self.ray_port = ports[0]
-        common = ["--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0"]
         head = [ray_bin(), "start", "--head", "--port", str(ports[0]), "--node-ip-address", self.head_address,
                 "--num-cpus", "0", "--object-store-memory", str(HEAD_OBJECT_STORE), "--dashboard-port",
                 str(ports[1]), "--ray-client-server-port", str(ports[2]), "--dashboard-agent-listen-port",
                 str(ports[3]), "--metrics-export-port", str(ports[4]), "--temp-dir", str(self.root / "ray"),
-                "--include-dashboard=false", *common]
+                "--include-dashboard=false", "--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port",
+                "0"]
         self._ray_start(None, head, "head")
         for member in self.nodes.values():
-            argv = [ray_bin(), "start", "--address", f"{self.head_address}:{self.ray_port}", "--node-ip-address",
-                    member.address, "--num-cpus", "1", "--object-store-memory", str(NODE_OBJECT_STORE),
-                    "--labels", f"{LABEL}={member.name}", "--temp-dir", str(self.root / f"ray-{member.name}"),
-                    *common]
-            self._ray_start(member, argv, member.name)
+            self._ray_start(member, self._node_argv(member), member.name)
             self.wait_for_nodes({member.name})
 
-    def _ray_start(self, member: Member | None, argv: list[str], name: str) -> None:
+    def _node_argv(self, member: Member) -> list[str]:
+        return [ray_bin(), "start", "--address", f"{self.head_address}:{self.ray_port}", "--node-ip-address",
+                member.address, "--num-cpus", "1", "--object-store-memory", str(NODE_OBJECT_STORE),
+                "--labels", f"{LABEL}={member.name}", "--temp-dir", str(self.root / f"ray-{member.name}"),
+                "--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0"]
+
+    def rejoin(self, member: Member, extra_env: dict[str, str] | None = None) -> None:
+        """Bring a node back after kill_node (or restart it): its sshd, and a new Ray node with its
+        label, whose processes get `extra_env` too."""
+        self.kill_node(member.name)
+        self._start_sshd(member, None)
+        self._ray_start(member, self._node_argv(member), f"{member.name}-again", extra_env)
+        self.wait_for_nodes({member.name})
+
+    def corrupting(self, member: Member) -> None:
+        """Restart a node as a corrupting peer: every Python process on it (its Ray workers, so its
+        relay) flips one byte in each socket send of 1 MiB or more, the way a bad NIC or a
+        malicious member would send a chunk. Its control traffic (small sends, Ray's C++ core,
+        sshd) is untouched. rejoin() without it makes the node honest again."""
+        site = self.root / "corrupting-site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(CORRUPTING_SITE)
+        self.rejoin(member, {"PYTHONPATH": str(site)})
+
+    def _ray_start(self, member: Member | None, argv: list[str], name: str,
+                   extra_env: dict[str, str] | None = None) -> None:
         log = self.root / f"ray-start-{name}.log"
         with open(log, "wb") as out:
-            proc = subprocess.run(self._in(member, argv), env=self.ray_env(), stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, timeout=180)
+            proc = subprocess.run(self._in(member, argv), env={**self.ray_env(), **(extra_env or {})}, stdout=out,
+                                  stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, timeout=180, preexec_fn=self._enter_cgroup(member))
         if proc.returncode != 0:
             raise LabError(f"ray start for {name} failed (exit {proc.returncode}): {log.read_text()[-2000:]}")
 
@@ -396,12 +437,45 @@ Subsystem sftp {sftp}
     def _in(self, member: Member | None, argv: list[str]) -> list[str]:
         return argv if member is None else ["ip", "netns", "exec", member.namespace, *argv]
 
+    def cgroup(self, member: Member | None) -> Path | None:
+        """The member's cgroup (the head's for None), made on first use; None without cgroup v2."""
+        group = run_cgroup(self.run_id)
+        if group is None:
+            return None
+        path = group / (member.name if member else "head")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _enter_cgroup(self, member: Member | None):
+        """A preexec_fn that moves the child into the member's cgroup before it runs."""
+        group = self.cgroup(member)
+        if group is None:
+            return None
+        procs = str(group / "cgroup.procs")
+
+        def enter() -> None:
+            with open(procs, "w") as handle:
+                handle.write("0")
+        return enter
+
+    def cpu_seconds(self, member: Member | None) -> float | None:
+        """User + system CPU of every process the member ever ran (its cgroup's cpu.stat)."""
+        group = self.cgroup(member)
+        if group is None:
+            return None
+        for line in (group / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                return int(value) / 1e6
+        return None
+
     def spawn(self, member: Member | None, argv: list[str], **kwargs) -> subprocess.Popen:
         """A long-lived process of the lab, in a member's namespace (or the root one), marked with
         the run's id so teardown finds it and its descendants."""
         return subprocess.Popen(self._in(member, argv), env=kwargs.pop("env", self.ray_env()),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True, **kwargs)
+                                stdin=subprocess.DEVNULL, stdout=kwargs.pop("stdout", subprocess.DEVNULL),
+                                stderr=kwargs.pop("stderr", subprocess.DEVNULL), start_new_session=True,
+                                preexec_fn=self._enter_cgroup(member), **kwargs)
 
     def pids(self, member: Member) -> list[int]:
         """Every process in a member's namespace."""
@@ -578,6 +652,43 @@ def claim_run_id() -> str:
     raise LabError("no free run id")
 
 
+def cgroup2_root() -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or .../unified on a hybrid host),
+    or None. The lab uses it only to count each member's CPU: a cgroup's cpu.stat includes its
+    processes that have already exited, which /proc cannot give."""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == "cgroup2":
+            return Path(fields[1])
+    return None
+
+
+def run_cgroup(run_id: str) -> Path | None:
+    root = cgroup2_root()
+    return root / f"stager-lab-{run_id}" if root else None
+
+
+def remove_cgroups(run_id: str) -> None:
+    """Kill whatever is still in the run's cgroups (cgroup.kill), then remove them. A cgroup
+    cannot be removed while a dying process is still leaving it, so this waits a little."""
+    group = run_cgroup(run_id)
+    if group is None or not group.exists():
+        return
+    children = [child for child in group.iterdir() if child.is_dir()]
+    for child in children:
+        with contextlib.suppress(OSError):
+            (child / "cgroup.kill").write_text("1")
+    deadline = time.monotonic() + 10
+    for path in [*children, group]:
+        while path.exists():
+            try:
+                path.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+
+
 def namespaces() -> list[str]:
     out = run(["ip", "netns", "list"], check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
@@ -594,6 +705,9 @@ def present_runs() -> dict[str, dict]:
     ids |= {ns[len(NS_PREFIX):].split("-")[0] for ns in namespaces() if ns.startswith(NS_PREFIX)}
     ids |= {link[2:6] for link in links() if re.match(r"^sl[0-9a-f]{4}(br|h\d+)$", link)}
     ids |= {run_id for run_id, _pid in marked_processes()}
+    cgroups = cgroup2_root()
+    if cgroups:
+        ids |= {group.name[len("stager-lab-"):] for group in cgroups.glob("stager-lab-*")}
     return {run_id: read_state(run_id) or {} for run_id in ids if _RUN_ID.match(run_id)}
 
 
@@ -661,6 +775,7 @@ def teardown(run_id: str) -> None:
         for link in links():
             if re.match(rf"^sl{run_id}(br|h\d+)$", link):
                 run(["ip", "link", "del", link], check=False)
+        remove_cgroups(run_id)
         root = state.get("root")
         if root and Path(root).name.startswith(f"stlab-{run_id}-"):
             shutil.rmtree(root, ignore_errors=True)
@@ -689,6 +804,7 @@ def leftovers(run_id: str) -> dict[str, list]:
             "qdiscs": [line for line in run(["tc", "qdisc", "show"], check=False).stdout.splitlines()
                        if f"sl{run_id}" in line],
             "processes": [pid for rid, pid in marked_processes() if rid == run_id],
+            "cgroups": [str(g) for g in (run_cgroup(run_id),) if g and g.exists()],
             "files": [p for p in (STATE_DIR / f"{run_id}.json",) if p.exists()]
                      + list(Path(tempfile.gettempdir()).glob(f"stlab-{run_id}-*"))}
 

@@ -160,7 +160,7 @@ def protected_places(manifest: str | None) -> tuple[str, ...]:
     path = resolve_manifest_path(manifest)
     if not manifest and not os.environ.get(MANIFEST_ENV) and not path.exists():
         return ()
-    loaded = load_manifest(path)
+    loaded = load_manifest(manifest)
     node_sources = [node.source for node in loaded.nodes.values() if node.source]
     return tuple(dict.fromkeys(map(resolved, loaded.local_sources(node_sources))))
 

@@ -28,6 +28,21 @@ TEMP_MARK = ".stage-"
 TEMP_PATTERN = re.compile(r"^\..*\.stage-[0-9a-f]{8}\.tmp$")
 
 
+# Who may use what this tool creates. A file gets the read and write bits of the directory it is
+# created in (owner read-write always, never executable); a directory made here gets the mode of
+# its parent, setgid and sticky bits included. The umask is not consulted: a hub's own mode says who
+# shares it. A group-shared hub (2775) thus stays usable by its group whoever runs the tool and
+# whatever their umask (a lock file created 0644 under umask 022 refused the group's second user
+# with exit 3 for ever), and a private hub (0700) stays private, even under umask 000.
+# huggingface_hub does the same for its store (store_modes.py): directories copy the hub's mode.
+def shared_file_mode(directory: Path | str) -> int:
+    return 0o600 | (stat.S_IMODE(os.stat(directory).st_mode) & 0o066)
+
+
+def shared_dir_mode(parent: Path | str) -> int:
+    return 0o700 | (stat.S_IMODE(os.stat(parent).st_mode) & (0o777 | stat.S_ISGID | stat.S_ISVTX))
+
+
 def is_temp_name(name: str) -> bool:
     return bool(TEMP_PATTERN.match(name))
 
@@ -79,7 +94,7 @@ class AtomicFile:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: int | None = None,
+def atomic_file(path: Path, *, mode: int | None = None, size_hint: int = 0, mtime_ns: int | None = None,
                 sync_dir: bool = True, batch: "SyncBatch | None" = None, chmod: int | None = None) -> Iterator[AtomicFile]:
     """Write `path` atomically. The temp file is removed if the body raises.
 
@@ -90,7 +105,8 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
     fsyncs it once: each fsync is a journal commit, and one per file cost 1,000
     small files about a sixth of their copy time.  With `batch`, the complete
     temp file is handed to the batch, which syncs and renames it (see SyncBatch).
-    `chmod` sets an exact mode (no umask) before the rename, e.g. a read-only payload.
+    `chmod` sets an exact mode (no umask) before the rename, e.g. a read-only payload. Without
+    `mode` the file gets its directory's sharing (shared_file_mode); with it, `mode` less the umask.
     """
     path = Path(path)
     fd, temp = _create_temp(path, mode)
@@ -124,19 +140,24 @@ def atomic_file(path: Path, *, mode: int = 0o644, size_hint: int = 0, mtime_ns: 
         raise
 
 
-def _create_temp(path: Path, mode: int) -> tuple[int, Path]:
+def _create_temp(path: Path, mode: int | None) -> tuple[int, Path]:
     """A new temp file beside `path`, created exclusively. A name already taken (a planted link,
     another writer's file) is left alone and another name tried: deleting it would remove
     something this run did not make."""
+    shared = shared_file_mode(path.parent) if mode is None else None
     for _ in range(8):
         temp = temp_path_for(path)
         try:
-            return os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode), temp
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600 if shared is not None else mode)
         except FileExistsError:
             continue
         except OSError as exc:
             raise_if_disk_full(exc, path)
             raise
+        if shared is not None:
+            os.fchmod(fd, shared)  # exact: open(2)'s mode is cut by the umask
+        return fd, temp
     raise CannotRun(f"cannot create a temp file beside {path}: every name tried exists")
 
 
@@ -154,6 +175,16 @@ class SyncBatch:
         self.directory = Path(directory)  # any directory on the filesystem the files land on
         self._pending: list[tuple[Path, Path]] = []
         self._lock = threading.Lock()
+        # Opened before any file of the batch is written: syncfs reports the filesystem's writeback
+        # errors since *this descriptor* was opened, and each file's writeback starts (DONTNEED)
+        # before the batch commits. A descriptor opened at commit time missed an error already
+        # recorded, and the file would have been renamed.
+        self._fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -168,7 +199,7 @@ class SyncBatch:
         if not pending:
             return
         try:
-            _syncfs(self.directory)
+            _syncfs(self._fd, self.directory)
             for temp, path in pending:
                 os.replace(temp, path)
             for directory in sorted({path.parent for _, path in pending}):
@@ -186,20 +217,17 @@ class SyncBatch:
             _discard(-1, temp)
 
 
-def _syncfs(directory: Path) -> None:
-    """Write back every dirty page of the filesystem holding `directory`, and report its errors."""
+def _syncfs(fd: int, directory: Path) -> None:
+    """Write back every dirty page of the filesystem holding `directory` (open as `fd`), and report
+    its writeback errors since `fd` was opened."""
     import ctypes  # only batches need it; `stage --help` stays fast
 
     libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if not hasattr(libc, "syncfs"):
-            os.sync()  # no syncfs in this libc: sync everything, which is more, never less
-        elif libc.syncfs(fd) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code), str(directory))
-    finally:
-        os.close(fd)
+    if not hasattr(libc, "syncfs"):
+        os.sync()  # no syncfs in this libc: sync everything, which is more, never less
+    elif libc.syncfs(fd) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(directory))
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -219,7 +247,7 @@ def _discard(fd: int, temp: Path) -> None:
         os.unlink(temp)
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644, mtime_ns: int | None = None,
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None, mtime_ns: int | None = None,
                        chmod: int | None = None) -> None:
     with atomic_file(path, mode=mode, mtime_ns=mtime_ns, chmod=chmod) as out:
         out.write(data)
@@ -263,11 +291,23 @@ def atomic_hardlink(existing: Path, path: Path) -> None:
 
 
 def ensure_dir(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise_if_disk_full(exc, directory)
-        raise
+    """Make `directory` and its missing parents, each with its parent's sharing (shared_dir_mode)."""
+    directory = Path(directory)
+    missing = []
+    while not os.path.isdir(directory) and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    for made in reversed(missing):
+        try:
+            os.mkdir(made, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(made):
+                raise
+            continue  # made by another process meanwhile: its mode is its maker's
+        except OSError as exc:
+            raise_if_disk_full(exc, made)
+            raise
+        os.chmod(made, shared_dir_mode(made.parent))
 
 
 def nearest_existing(path: Path) -> Path:
@@ -305,12 +345,13 @@ def ensure_real_dir(directory: Path) -> Path:
     return directory
 
 
-def open_for_write(path: Path, flags: int, mode: int = 0o644) -> int:
+def open_for_write(path: Path, flags: int) -> int:
     """os.open for writing a regular file that never follows a link at `path` and never blocks on
     a FIFO there (either fails with exit 3, naming the path): opened without O_NONBLOCK, a FIFO
-    with no reader waits for ever."""
+    with no reader waits for ever. A file of ours gets at least its directory's sharing
+    (shared_file_mode): a lock made 0644 by an older run is opened to the group again."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CannotRun(f"{path} is a symlink; refusing to write through it") from None
@@ -318,9 +359,13 @@ def open_for_write(path: Path, flags: int, mode: int = 0o644) -> int:
             raise CannotRun(f"{path} is not a regular file; refusing to write to it") from None
         raise_if_disk_full(exc, path)
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise CannotRun(f"{path} is not a regular file; refusing to write to it")
+    shared = shared_file_mode(Path(path).parent)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & shared != shared:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) | shared)  # only adds what the directory grants
     os.set_blocking(fd, True)
     return fd
 

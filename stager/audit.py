@@ -41,7 +41,7 @@ from stager.errors import StageError, describe_os_error
 from stager.fingerprint import Verdict
 from stager import hints, reclaim
 from stager.hub import Pending, Problem, format_duration, repo_dir_name
-from stager.manifest import Manifest, load_manifest
+from stager.manifest import MANIFEST_ENV, Manifest, default_in_use, load_manifest
 from stager.mirror import node_job, walk
 from stager.plan import LocalState, final_files, make_plan
 from stager.small_files import read_regular
@@ -408,6 +408,10 @@ def run_audit(manifest_path: str | None, node: str, prom: str | None = None) -> 
             report.unknown.append(f"cannot write {prom}: {exc.message}")
         except OSError as exc:  # the textfile directory's owner and mode, and the user that needs access
             report.unknown.append(f"cannot write {prom}: {describe_os_error(exc)}")
+    default = default_in_use()
+    if default is not None:  # no --manifest, no $STAGE_MANIFEST: say which file the answer is about
+        report.unknown = [m if str(default) in m else f"{m} (manifest: {default}, the default: no --manifest or "
+                          f"${MANIFEST_ENV})" for m in report.unknown]
     return report
 
 

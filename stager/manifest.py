@@ -338,16 +338,30 @@ def _dotted(key: Key) -> str:
 
 
 def resolve_manifest_path(explicit: str | os.PathLike | None) -> Path:
-    """`--manifest`, else $STAGE_MANIFEST, else manifests/cluster.toml in the working directory."""
+    """`--manifest`, else $STAGE_MANIFEST, else manifests/cluster.toml in the working directory
+    (absolute, so that every message names the file wherever the command was run from)."""
     if explicit:
         return Path(explicit)
     if os.environ.get(MANIFEST_ENV):
         return Path(os.environ[MANIFEST_ENV])
-    return DEFAULT_MANIFEST
+    return Path.cwd() / DEFAULT_MANIFEST
+
+
+_default_in_use: Path | None = None
+
+
+def default_in_use() -> Path | None:
+    """The default manifest, if this process read (or tried to read) it for want of `--manifest`
+    and $STAGE_MANIFEST: an error then names it, since the operator never did (a cron job run from
+    another directory once failed on "lock held" with no word of which cluster it meant)."""
+    return _default_in_use
 
 
 def load_manifest(explicit: str | os.PathLike | None = None) -> Manifest:
+    global _default_in_use
     path = resolve_manifest_path(explicit)
+    if not explicit and not os.environ.get(MANIFEST_ENV):
+        _default_in_use = path
     try:
         # A manifest may be a symlink (to a shared config checkout); a FIFO or /dev/zero is refused.
         raw = tomllib.loads(read_regular(path, MANIFEST_LIMIT, follow=True).decode("utf-8"))

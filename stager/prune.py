@@ -290,6 +290,8 @@ class _Executor:
         committed, _ = journal_tail(journal)
         self.total = int((committed or {}).get("pruned_bytes_total") or 0)
         self.trash: Path | None = None
+        self.dirty: set[str] = set()  # directories with unlinks not yet fsynced
+        self.resolved: dict[str, str] = {}  # directory -> its resolved path, once per run
 
     # -- order and batches
 
@@ -325,6 +327,7 @@ class _Executor:
                         done_bytes += freed
                         done_items += 1
             finally:
+                self._flush()
                 self.total += done_bytes
                 append_journal(self.journal, [{"event": "removed", "time": _now(), "host": socket.gethostname(),
                                                "removed": done_items, "bytes": done_bytes,
@@ -384,12 +387,14 @@ class _Executor:
         if staying is not None:
             raise _Waits(f"still reached through {staying}, which stays")
         self._still(target)
+        if step.action != "unlink":
+            self._flush()  # what this step relies on being gone is gone on disk too
         if step.action == "drop-sums":
             drop_from_sums(Path(step.sums), {os.path.normpath(target.path)})
             return 0
         if step.action == "unlink":
             os.unlink(target.path)
-            fsync_dir(Path(target.path).parent)
+            self.dirty.add(os.path.dirname(target.path))
             return step.bytes
         if step.action == "trash":
             self._trash(target)
@@ -413,10 +418,20 @@ class _Executor:
             raise _Changed(f"size changed since the scan ({seen.size} -> {st.st_size})")
         if st.st_mtime_ns != seen.mtime_ns:
             raise _Changed("modified since the scan")
-        parent = identity.resolved(os.path.dirname(seen.path))
+        directory = os.path.dirname(seen.path)
+        if directory not in self.resolved:
+            self.resolved[directory] = identity.resolved(directory)
+        parent = self.resolved[directory]
         roots = [self.root] + ([self.engram_dir] if self.engram_dir else [])
         if not any(parent == r or parent.startswith(r.rstrip("/") + "/") for r in roots):
             raise _Changed(f"its directory now resolves to {parent}, outside the node's paths")
+
+    def _flush(self) -> None:
+        """One fsync per directory of a run of unlinks, before anything that relies on them."""
+        for directory in sorted(self.dirty):
+            with contextlib.suppress(FileNotFoundError):
+                fsync_dir(Path(directory))
+        self.dirty.clear()
 
     def _trash(self, seen: reclaim.Seen) -> None:
         """Rename the directory out of the hub's view in one step, then delete it there."""

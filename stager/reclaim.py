@@ -183,6 +183,29 @@ def _hf_in_flight(name: str) -> bool:
     return name.endswith((".lock", ".lock.soft", ".shared")) or (name.startswith(".") and name.endswith(".tmp"))
 
 
+def _tree(root: str):
+    """(directory, [(path, lstat)] of its subdirectories, [(path, lstat)] of everything else), top
+    down, never through a link. Not os.walk: it stats every link's target to ask whether it is a
+    directory, which followed the links of a snapshot into the blobs (and could follow a planted one
+    onto the NAS) and took most of a prune of 100,000 files."""
+    stack = [root]
+    while stack:
+        here = stack.pop()
+        try:
+            entries = list(os.scandir(here))
+        except OSError:
+            continue  # gone, or not a directory (any more)
+        dirs, others = [], []
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            (dirs if stat.S_ISDIR(st.st_mode) else others).append((entry.path, st))
+        yield here, dirs, others
+        stack.extend(path for path, _st in reversed(dirs))
+
+
 def _use(st: os.stat_result) -> float:
     return max(st.st_atime, st.st_mtime)
 
@@ -207,16 +230,20 @@ class _Snapshot:
 
 
 def _follow(path: str, hops: set[str], finals: set[str], stats: dict[str, os.stat_result | None]) -> None:
+    """Every hop of the chain from `path`, read with lstat and readlink (each hop once per scan:
+    thousands of entries reach the same few blobs)."""
     for _ in range(MAX_HOPS + 1):
         hops.add(path)
-        try:
-            target = os.readlink(path)
-        except OSError:  # a regular file (EINVAL) or a dangling hop: the chain ends here
-            if path not in stats:
-                stats[path] = _lstat(path)
-            st = stats[path]
+        if path not in stats:
+            stats[path] = _lstat(path)
+        st = stats[path]
+        if st is None or not stat.S_ISLNK(st.st_mode):
             if st is not None and stat.S_ISREG(st.st_mode):
                 finals.add(path)
+            return  # a regular file, or a dangling hop: the chain ends here
+        try:
+            target = os.readlink(path)
+        except OSError:
             return
         path = os.path.normpath(os.path.join(os.path.dirname(path), target))
 
@@ -229,22 +256,12 @@ def _scan_snapshot(repo: str, entry: os.DirEntry, stats: dict) -> _Snapshot | No
     finals: set[str] = set()
     dirs, real = [Seen.of(entry.path, st)], []
     used = _use(st)
-    for here, subdirs, files in os.walk(entry.path):
-        for name in subdirs:
-            path = os.path.join(here, name)
-            sub = _lstat(path)
-            if sub is None:
-                continue
-            if stat.S_ISLNK(sub.st_mode):
-                files.append(name)  # a directory link is an entry, never walked into
-            else:
-                dirs.append(Seen.of(path, sub))
-                used = max(used, _use(sub))
-        for name in files:
-            path = os.path.join(here, name)
-            sub = _lstat(path)
-            if sub is None:
-                continue
+    for _here, subdirs, files in _tree(entry.path):
+        for path, sub in subdirs:
+            dirs.append(Seen.of(path, sub))
+            used = max(used, _use(sub))
+        for path, sub in files:
+            stats[path] = sub
             if stat.S_ISREG(sub.st_mode):
                 real.append(Seen.of(path, sub))
             _follow(path, hops, finals, stats)
@@ -259,9 +276,8 @@ def _local_refs(repo: str) -> dict[str, list[str]]:
     """commit -> the local refs naming it (nested ones such as refs/pr/1 too)."""
     named: dict[str, list[str]] = {}
     refs = os.path.join(repo, "refs")
-    for here, _dirs, files in os.walk(refs):
-        for name in files:
-            path = os.path.join(here, name)
+    for _here, _dirs, files in _tree(refs):
+        for path, _st in files:
             try:
                 text = read_regular(path, 128).decode("ascii", "replace").strip()
             except OSError:
@@ -273,13 +289,11 @@ def _local_refs(repo: str) -> dict[str, list[str]]:
 def _repo_files(repo: str, stats: dict) -> tuple[list[str], list[str], float, int]:
     """(regular files, directories, newest use, bytes) of a whole repo directory."""
     files, dirs, used, size = [], [repo], 0.0, 0
-    for here, subdirs, names in os.walk(repo):
-        for name in subdirs:
-            dirs.append(os.path.join(here, name))
-        for name in names:
-            path = os.path.join(here, name)
-            st = stats.get(path) or _lstat(path)
-            if st is not None and stat.S_ISREG(st.st_mode):
+    for _here, subdirs, names in _tree(repo):
+        dirs.extend(path for path, _st in subdirs)
+        for path, st in names:
+            stats[path] = st
+            if stat.S_ISREG(st.st_mode):
                 files.append(path)
                 size += st.st_size
                 used = max(used, _use(st))
@@ -566,16 +580,11 @@ def stale_temps(hub: str, engram_dir: str | None, now: float, *, holder: int | N
     before = LockTable.read()
     candidates: dict[str, tuple[os.stat_result, float]] = {}  # by path: engram_dir may lie in the hub
     for root in [hub] + ([engram_dir] if engram_dir else []):
-        for here, dirs, files in os.walk(root):
+        for here, _dirs, files in _tree(root):
             if os.path.join(here, "x").startswith(os.path.join(hub, TRASH) + "/"):
-                dirs[:] = []
                 continue
-            for name in files:
-                if not is_partial(name):
-                    continue
-                path = os.path.join(here, name)
-                st = _lstat(path)
-                if st is not None and now - st.st_mtime > STALE_SECONDS:
+            for path, st in files:
+                if is_partial(os.path.basename(path)) and now - st.st_mtime > STALE_SECONDS:
                     candidates[path] = (st, now - st.st_mtime)
     after = LockTable.read()
     states: dict[Path, str | None] = {}

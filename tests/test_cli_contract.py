@@ -944,3 +944,41 @@ def test_hubgen_has_a_command_line_that_builds_hubs_stage_can_serve(tmp_path):
     assert hubgen_cli("--force", "demo", "d", cwd=tmp_path).returncode == 0
     bad = hubgen_cli("hub", "x", "--size", "12X", cwd=tmp_path)
     assert bad.returncode == 2 and "--size" in bad.stderr and not (tmp_path / "x").exists()
+
+
+# ---- 13. the default manifest is named --------------------------------------------------------------
+
+def test_without_manifest_or_env_every_error_names_the_default_manifest(tmp_path):
+    make_demo(tmp_path)
+    (tmp_path / "manifests").mkdir()
+    shutil.copy(tmp_path / "demo" / "cluster.toml", tmp_path / "manifests" / "cluster.toml")
+    default = tmp_path / "manifests" / "cluster.toml"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    missing = stage("verify", "--node", "dgx1", cwd=elsewhere)
+    assert missing.returncode == 2 and missing.stderr.startswith(
+        f"stage: error: {elsewhere}/manifests/cluster.toml: manifest not found"), missing.stderr
+    unknown = stage("verify", "--node", "dgx9", cwd=tmp_path)
+    assert unknown.returncode == 2 and str(default) in unknown.stderr, unknown.stderr
+    assert stage("mirror", "--node", "dgx1", cwd=tmp_path).returncode == 0
+    lock = tmp_path / "demo" / "nvme" / "hf" / "hub" / ".locks" / "stager.lock"
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "30"])
+    try:
+        while not (lock.exists() and _held(lock)):
+            time.sleep(0.01)
+        locked = stage("mirror", "--node", "dgx1", cwd=tmp_path)
+        locked_json = stage("mirror", "--node", "dgx1", "--json", cwd=tmp_path)
+        named = stage("mirror", "--node", "dgx1", "--manifest", default, cwd=tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert locked.returncode == 3 and f"(manifest: {default}, the default" in locked.stderr, locked.stderr
+    assert f"(manifest: {default}" in json.loads(locked_json.stdout)["error"]
+    assert named.returncode == 3 and "(manifest:" not in named.stderr  # the operator named it
+    audit = stage("audit", "--node", "dgx1", "--prom", "/proc/no-such-dir/stage.prom", cwd=tmp_path)
+    assert audit.returncode == 3 and f"(manifest: {default}" in audit.stdout, audit.stdout
+
+
+def _held(lock: Path) -> bool:
+    ino = os.stat(lock).st_ino
+    return any(line.split()[5].endswith(f":{ino}") for line in Path("/proc/locks").read_text().splitlines())

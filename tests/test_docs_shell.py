@@ -45,10 +45,14 @@ NOT_RUN = {
         "a test run of its own",
     ("fleet.md", "python scripts/fleet_lab.py up --nodes 4 --rate 100 --size 48MiB | jq .    # hold a lab until Ctrl-C"):
         "network namespaces held until Ctrl-C; the lab's own tests run scripts/fleet_lab.py",
+    ("fleet.md", "# on every node, for the cluster network 10.0.0.0/24 (nftables)"):
+        "changes the host's firewall (nftables); the lab's tests open the same ports between namespaces",
     ("operations.md", "install -m 644 scripts/stage-audit.cron /etc/cron.d/stage-audit"):
         "installs into the host's /etc; tests/test_audit.py runs the cron line's command",
     ("operations.md", "install -m 644 scripts/stage-audit.service scripts/stage-audit.timer /etc/systemd/system/"):
         "needs systemd as PID 1; tests/test_slurm.py and test_cli_contract.py check the units",
+    ("operations.md", "stage audit --node dgx1                          # what is reclaimable, what is in use, the prune command"):
+        "archives /nvme shards to /mnt/archive on the host and runs Ray; tests/test_prune.py prunes real hubs",
     ("operations.md", "mkdir -p /mnt/archive/dgx1-tp2          # DEST must exist (see below)"):
         "writes /nvme and /mnt/archive on the host; tests/test_archive.py runs the same commands on temp paths",
     ("operations.md", "# NFS: attributes may be stale; stage never trusts them (it samples the bytes)."):

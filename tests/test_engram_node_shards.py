@@ -18,11 +18,19 @@ from engram_fixtures import build, pack, tree
 from stager.engram import expected_shards, partition
 from stager.manifest import load_manifest
 
-@pytest.mark.parametrize("args", [("--rank", 3), ("--rank", -1), ("--rank", 2, "--world", 2)])
+@pytest.mark.parametrize("args", [("--rank", 3), ("--rank", 2, "--world", 2)])
 def test_rank_outside_the_world_exits_2(tmp_path, args):
     env = build(tmp_path, stage=False)
     err = pack(env, *args, code=2)["stderr"]
     assert err.startswith("stage: error: --rank") and "outside 0.." in err
+    assert not env["dir"].exists()
+
+
+def test_a_negative_rank_is_refused_by_the_option_itself(tmp_path):
+    # No manifest's TP size can make a negative rank valid: the option's own range names it.
+    env = build(tmp_path, stage=False)
+    err = pack(env, "--rank", -1, code=2)["stderr"]
+    assert "'--rank'" in err and "-1 is not in the range 0<=x<=4095" in err
     assert not env["dir"].exists()
 
 

@@ -25,7 +25,7 @@ from conftest import run_stage, sha256_file
 from hubgen import Hub, random_safetensors
 from remote_fixtures import SshServer, hub_tree, load_offline, silent_port
 from stager.fleet import LABEL
-from stager.lock import HUB_LOCK
+from stager.lock import HUB_LOCK, LockTable
 
 FLASH = "acme/Flash-3bpw"
 DRAFTER = "acme/Flash-drafter"
@@ -465,13 +465,16 @@ def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memo
 
 
 def relay_pid(hub: Path) -> int | None:
-    """The pid holding `hub`'s writer lock while it runs a broadcast relay's receive."""
-    try:
-        pid = int((hub / HUB_LOCK).read_text().split()[0])
-        title = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError, IndexError):
+    """The pid holding `hub`'s writer lock while it is a broadcast relay (from its `open` on: the
+    lock is taken there, and a 9 MiB run is over in well under a second on loopback)."""
+    state, pid = LockTable.read().state(hub / HUB_LOCK)  # the holder, from the kernel's lock table
+    if state != "held" or pid is None:
         return None
-    return pid if title.startswith(b"ray::Relay.run") else None
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return pid if title.startswith(b"ray::Relay") else None
 
 
 def test_a_relay_killed_mid_run_is_routed_around_and_a_rerun_converges(cluster, staged, nas, sshd, tmp_path):
@@ -494,7 +497,8 @@ def test_a_relay_killed_mid_run_is_routed_around_and_a_rerun_converges(cluster, 
     assert proc.returncode == 0 and report["exit_code"] == 0, err
     nodes = report["nodes"]
     assert [f["path"] for f in nodes["dgx2"]["fallbacks"]] == [None], nodes["dgx2"]
-    assert nodes["dgx2"]["fallbacks"][0]["why"].startswith("relay failed")
+    # Killed while it received, or while the driver still waited for it to listen.
+    assert nodes["dgx2"]["fallbacks"][0]["why"].startswith(("relay failed", "relay did not start")), nodes["dgx2"]
     assert nodes["dgx3"]["bad_senders"] == [] and nodes["dgx3"]["report"]["problems"] == []
     for name in NODES:
         assert_staged_like_the_nas(tmp_path / name / "hub", nas)
@@ -694,6 +698,11 @@ def test_each_node_runs_the_node_local_command_with_its_own_rank(nas, sshd, tmp_
     assert node_argv(manifest, "pack-engram", "dgx3") == [
         "pack-engram", "--node", "dgx3", "--json", "--manifest", path, "--rank", "2"]
     assert node_argv(manifest, "audit", "dgx3") == ["audit", "--node", "dgx3", "--json", "--manifest", path]
+    # `stage fleet prune`: each node's own prune, its bytes column the bytes it freed.
+    from stager.fleet.report import BYTES_KEY
+
+    assert node_argv(manifest, "prune", "dgx1") == ["prune", "--node", "dgx1", "--json", "--manifest", path]
+    assert BYTES_KEY["prune"] == "freed_bytes"
     assert node_argv(manifest, "mirror", "dgx2", "sftp://peer/hub")[-2:] == ["--source", "sftp://peer/hub"]
     assert node_argv(manifest, "verify", "dgx1", None, ("--subset", "0/3")) == [
         "verify", "--node", "dgx1", "--json", "--manifest", path, "--subset", "0/3"]

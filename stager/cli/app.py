@@ -184,9 +184,10 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             terminal.discard(sys.stderr)
         return EXIT_BAD_INPUT, None, exc.format_message()
     except StageError as exc:
-        return exc.exit_code, f"error: {exc.message}", exc.message
+        message = _naming_the_default_manifest(exc.message)
+        return exc.exit_code, f"error: {message}", message
     except OSError as exc:  # not mapped by the core: name the path and what the operator can do
-        message = describe_os_error(exc)
+        message = _naming_the_default_manifest(describe_os_error(exc))
         return EXIT_CANNOT_RUN, f"error: {message}", message
     except SystemExit as exc:
         if _stdout_closed_under_typer():
@@ -197,6 +198,15 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             raise
         message = f"internal error: {type(exc).__name__}: {exc} (set STAGE_DEBUG=1 for the traceback)"
         return EXIT_CANNOT_RUN, message, message
+
+
+def _naming_the_default_manifest(message: str) -> str:
+    """`message`, plus the manifest it ran with when no --manifest or $STAGE_MANIFEST chose one."""
+    manifest = sys.modules.get("stager.manifest")  # not imported: no manifest was read
+    default = manifest.default_in_use() if manifest else None
+    if default is None or str(default) in message:
+        return message
+    return f"{message} (manifest: {default}, the default: no --manifest or ${hints.MANIFEST_ENV})"
 
 
 def _app_for(argv: list[str]) -> typer.Typer:

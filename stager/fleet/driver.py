@@ -119,19 +119,26 @@ def parse_ports(ports: str | None) -> tuple[int, int] | None:
 
 
 def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] | None) -> dict[str, dict]:
-    """Each node's plan (a dry run), then the files two or more nodes need, moved by the
-    broadcast. The broadcast gets the deadline less a share kept for the closing mirrors."""
+    """The files two or more nodes need, moved by the broadcast: relays start on the nodes that
+    can take part while every node makes its plan (a dry run). The broadcast gets the deadline
+    less a share kept for the closing mirrors."""
     from stager.fleet.broadcast.chain import broadcast
     from stager.fleet.needs import shared_files
 
+    manifest = driver.manifest
     present = driver.present(names)
-    planner = Driver(driver.ray, driver.manifest, "mirror", driver.deadline, driver.timeout, ("--dry-run",))
-    plans = planner.all_at_once(present)
-    sessions = shared_files(driver.manifest, {name: plans[name] for name in present if name in plans})
-    if not sessions:
+    # Who can take part: an address to listen on, and the NAS itself as source (see needs.py).
+    able = [name for name in present if manifest.nodes[name].address and manifest.source_for(name) == manifest.nas.hub]
+    planner = Driver(driver.ray, manifest, "mirror", driver.deadline, driver.timeout, ("--dry-run",))
+    if len(able) < 2:
         return {}
+
+    def plan():
+        plans = planner.all_at_once(present)
+        return shared_files(manifest, {name: plans[name] for name in present if name in plans})
+
     reserve = min(300.0, 0.3 * driver.timeout)
-    return broadcast(driver.ray, driver.manifest, sessions, deadline=driver.deadline - reserve, ports=ports)
+    return broadcast(driver.ray, manifest, able, plan, deadline=driver.deadline - reserve, ports=ports)
 
 
 def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: dict | None) -> NodeRun:

@@ -10,6 +10,7 @@ from the NAS by the node's closing `stage mirror`.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from stager.fleet.broadcast.keys import mint
 from stager.fleet.broadcast.relay import Relay, Session, Share
@@ -35,13 +36,14 @@ def bind_host(address: str) -> str:
     return host.split(":", 1)[0] if host.count(":") == 1 else host
 
 
-def broadcast(ray, manifest: Manifest, sessions: list[tuple[tuple[str, ...], tuple[Share, ...]]], *,
+def broadcast(ray, manifest: Manifest, nodes: list[str],
+              plan: Callable[[], list[tuple[tuple[str, ...], tuple[Share, ...]]]], *,
               deadline: float, ports: tuple[int, int] | None) -> dict[str, dict]:
-    """Run every session's chain; returns per node {peer_bytes, nas_bytes, landed_files, fallbacks,
+    """Start a relay on each of `nodes`, then (while they start) ask `plan` for the sessions, then
+    run every session's chain. Returns per node {peer_bytes, nas_bytes, landed_files, fallbacks,
     bad_senders, refused, error}. The key and run id are minted here and go to the relays as
     arguments of `open`, over Ray's authenticated channel, and nowhere else."""
     key, run_id = mint()
-    nodes = list(dict.fromkeys(name for members, _ in sessions for name in members))
     stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "fallbacks": [], "bad_senders": [],
                     "refused": [], "error": None} for name in nodes}
     actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=32)(Relay)
@@ -52,14 +54,18 @@ def broadcast(ray, manifest: Manifest, sessions: list[tuple[tuple[str, ...], tup
             name, config.hub, manifest.nas.hub, dict(manifest.nas.aliases),
             tuple(manifest.local_sources([manifest.nas.hub])))
     try:
+        # The relays start (a Ray worker each) while the nodes make their plans.
         opening = {name: relays[name].open.remote(bind_host(manifest.nodes[name].address), ports, key, run_id)
                    for name in nodes}
+        sessions = plan()
+        needed = {name for members, _ in sessions for name in members}
         listening = {}
         for name, ref in opening.items():
             try:
                 listening[name] = ray.get(ref, timeout=max(1.0, min(OPEN_TIMEOUT, deadline - time.monotonic())))
             except Exception as exc:  # noqa: BLE001 - this node stages from the NAS instead
-                stats[name]["error"] = f"relay did not start: {_last_line(exc)}"
+                if name in needed:
+                    stats[name]["error"] = f"relay did not start: {_last_line(exc)}"
         for number, (members, files) in enumerate(sessions):
             chain = tuple((name, bind_host(manifest.nodes[name].address), listening[name])
                           for name in members if name in listening)
