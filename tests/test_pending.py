@@ -127,6 +127,13 @@ def test_a_nas_mid_download_is_not_the_nodes_fault(demo):
             {"model": DRAFTER, "revision": "main", "pending_commit": NEW, "serving_commit": old}
         assert "model.safetensors" in pending["detail"] and pending["idle_seconds"] < 600
 
+    # A container launched meanwhile gets the revision the node serves, from local NVMe.
+    binds = run_stage("binds", "--node", "dgx1", "--format", "json", "--manifest", demo["manifest"])
+    assert binds.code == 0, binds.stdout + binds.stderr
+    drafter, = [m for m in binds.json["models"] if m["model"] == DRAFTER]
+    assert (drafter["commit"], drafter["mode"], drafter["nas_fallback"]) == (old, "repo", 0), drafter
+    assert drafter["pending"]["pending_commit"] == NEW
+
     code, report, line = audit(demo["manifest"])
     assert code == 0 and report["status"] == "OK", line
     assert [(p["pending_commit"], p["overdue"]) for p in report["pending"]] == [(NEW, False)]
