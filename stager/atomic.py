@@ -291,8 +291,23 @@ def atomic_hardlink(existing: Path, path: Path) -> None:
 
 
 def ensure_dir(directory: Path) -> None:
-    """Make `directory` and its missing parents, each with its parent's sharing (shared_dir_mode)."""
-    directory = Path(directory)
+    """Make `directory` and its missing parents, each with its parent's sharing (shared_dir_mode).
+
+    A parent removed between its mkdir and its child's (an operator deleting what the audit
+    listed, during a mirror) is made again: that race once ended the mirror as "cannot run"."""
+    for attempt in range(ENSURE_DIR_ATTEMPTS):
+        try:
+            _make_missing(Path(directory))
+            return
+        except FileNotFoundError:
+            if attempt == ENSURE_DIR_ATTEMPTS - 1:
+                raise
+
+
+ENSURE_DIR_ATTEMPTS = 5
+
+
+def _make_missing(directory: Path) -> None:
     missing = []
     while not os.path.isdir(directory) and directory != directory.parent:
         missing.append(directory)

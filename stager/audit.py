@@ -35,11 +35,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stager import __version__
+from stager import __version__, hints, identity, reclaim
 from stager.atomic import atomic_write_bytes
 from stager.errors import StageError, describe_os_error
 from stager.fingerprint import Verdict
-from stager import hints, reclaim
 from stager.hub import Pending, Problem, format_duration, repo_dir_name
 from stager.manifest import MANIFEST_ENV, Manifest, default_in_use, load_manifest
 from stager.mirror import node_job, walk
@@ -321,7 +320,7 @@ def filesystems(roots: list[str], needs: list[Need], reserve: int) -> list[Files
 
 
 def _mount_point(path: Path, dev: int) -> str:
-    path = Path(os.path.realpath(path))
+    path = Path(identity.resolved(path))
     while path.parent != path and os.stat(path.parent).st_dev == dev:
         path = path.parent
     return str(path)

@@ -111,7 +111,7 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
         batch.close()
     # The copies renamed without a directory fsync each; one per directory makes them durable
     # before any link or ref can point at them.
-    _fsync_dirs(local_hub, (c.dest for c in plan.copies if c.dest not in tally.failed))
+    _fsync_dirs(tally, local_hub, [c.dest for c in plan.copies if c.dest not in tally.failed])
 
     # Links are made from the blob end back to the snapshot entry, and only to a hop that already
     # ends in a file that did not fail: a kill between two links never leaves one dangling.
@@ -122,7 +122,7 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
             continue
         _write_local(tally, local_hub, link.dest,
                      lambda path: atomic_symlink(link.target, path, sync_dir=False))
-    _fsync_dirs(local_hub, (link.dest for link in plan.links if link.dest not in tally.failed))
+    _fsync_dirs(tally, local_hub, [link.dest for link in plan.links if link.dest not in tally.failed])
     for meta in plan.metadata:
         mode = store_modes.file_mode(local_hub, meta.dest)
         _write_local(tally, local_hub, meta.dest, lambda path: atomic_write_bytes(path, meta.content, chmod=mode))
@@ -184,7 +184,7 @@ def _first_break(snap, local_hub: Path, failed: frozenset[str]) -> str | None:
         return f"{len(snap.problems)} entr{'y' if len(snap.problems) == 1 else 'ies'} not staged"
     # realpath once per directory of this pass: unmemoized, it lstat-ed every component of the hub
     # path for every hop of every entry, a fifth of a 1,000-small-file mirror.
-    realpath = functools.lru_cache(maxsize=None)(os.path.realpath)
+    realpath = functools.lru_cache(maxsize=None)(identity.resolved)
     for entry in snap.entries:
         if any(hop in failed for hop in kept_hops(entry, snap.repo_dir)):
             return f"{entry.path} failed"
@@ -213,7 +213,7 @@ def writable_dir(local_hub: Path, rel_dir: str, never_write: tuple[str, ...] = (
         ensure_dir(path)
     except OSError as exc:
         raise CannotRun(f"cannot create {exc.filename or path} in the node hub: {exc.strerror}") from None
-    escape = identity.escape_from(os.path.realpath(path), os.path.realpath(local_hub), never_write)
+    escape = identity.escape_from(identity.resolved(path), identity.resolved(local_hub), never_write)
     if escape:
         raise CannotRun(f"{path} {escape}; refusing to write through a link")
     if rel_dir == SHARED_STORE or rel_dir.startswith(SHARED_STORE + "/"):
@@ -256,9 +256,20 @@ def _local_problem(exc: OSError, path: Path) -> Problem:
     return Problem(str(path), "local_error", f"cannot write the local file: {exc.strerror or exc}")
 
 
-def _fsync_dirs(local_hub: Path, dests) -> None:
-    for directory in sorted({posixpath.dirname(dest) for dest in dests}):
-        fsync_dir(inside(local_hub, directory))
+def _fsync_dirs(tally: _Tally, local_hub: Path, dests: list[str]) -> None:
+    """One fsync per directory written. A directory someone removed meanwhile (an operator
+    deleting what the audit listed) fails what was written in it, as a problem of this run:
+    it once ended the whole mirror as "cannot run"."""
+    by_directory: dict[str, list[str]] = {}
+    for dest in dests:
+        by_directory.setdefault(posixpath.dirname(dest), []).append(dest)
+    for directory in sorted(by_directory):
+        try:
+            fsync_dir(inside(local_hub, directory))
+        except FileNotFoundError:
+            tally.failed.update(by_directory[directory])
+            tally.problems.append(Problem(str(inside(local_hub, directory)), "local_error",
+                                          "removed from the node hub during the run"))
 
 
 def _target(link: MakeLink) -> str:

@@ -27,8 +27,20 @@ def file_id(path: str | os.PathLike, *, follow: bool = True) -> tuple[int, int] 
 
 
 def resolved(path: str | os.PathLike) -> str:
-    """The absolute, symlink-free spelling (a missing tail is kept as written)."""
-    return os.path.realpath(path)  # not abspath first: it would collapse "link/.." before the link resolves
+    """The absolute, symlink-free spelling (a missing tail is kept as written).
+
+    The one way stager resolves a path. os.path.realpath raises when a link vanishes between its
+    lstat and its readlink (a churning hub, an operator's rm during an audit); resolved again, the
+    vanished link is a missing tail like any other."""
+    for _ in range(RESOLVE_ATTEMPTS - 1):
+        try:
+            return os.path.realpath(path)  # not abspath first: it would collapse "link/.." before the link resolves
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return os.path.realpath(path)
+
+
+RESOLVE_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)

@@ -121,13 +121,13 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
     local: dict[str, LocalState] = {}
     finals = final_files(snapshots)
     progress = progress_factory(sum(e.size for e, _ in finals.values())) if full and progress_factory else None
-    root = os.path.realpath(local_hub)
+    root = identity.resolved(local_hub)
     elsewhere = functools.lru_cache(maxsize=None)(lambda real_dir: identity.escape_from(real_dir, root, sources))
 
     def look_at_final(dest: str) -> tuple[str, LocalState]:
         entry, reference = finals[dest]
         state = _lstat(local_hub / dest)
-        if state.kind == "file" and elsewhere(os.path.realpath((local_hub / dest).parent)):
+        if state.kind == "file" and elsewhere(identity.resolved((local_hub / dest).parent)):
             # Reached through a directory link or mount into the NAS: the NAS's own file, never kept.
             return dest, LocalState("remote")
         if state.kind == "file" and state.size == entry.size:

@@ -434,7 +434,7 @@ def scan_hub(hub: str, wanted: Wanted, listed: set[str]) -> _HubScan:
             size = st.st_size if stat.S_ISREG(st.st_mode) else 0
             reaches = {(st.st_dev, st.st_ino)}
             if stat.S_ISLNK(st.st_mode):
-                final = _lstat(os.path.realpath(blob.path)) if identity.inside(blob.path, root) else None
+                final = _lstat(identity.resolved(blob.path)) if identity.inside(blob.path, root) else None
                 if final is not None:
                     reaches.add((final.st_dev, final.st_ino))
             scan.items.append(Item("blob", blob.path, size, detail, _use(st),

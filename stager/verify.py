@@ -113,7 +113,7 @@ class VerifyReport:
         }
 
 
-def check_local_chain(local_hub: Path, entry_rel: str, realpath=os.path.realpath,
+def check_local_chain(local_hub: Path, entry_rel: str, realpath=identity.resolved,
                       sources: tuple[str, ...] = ()) -> tuple[str | None, Problem | None, int]:
     """Follow the staged entry's links. Returns (final hub-relative file, problem, links followed).
 
@@ -160,7 +160,7 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
     report = VerifyReport("full" if full else "sampled", None if full else cache.seed,
                           subset=str(subset) if subset else None)
     work: list[tuple[Entry, RepoSnapshot, str]] = []
-    realpath = functools.lru_cache(maxsize=None)(os.path.realpath)  # this pass only: links may change later
+    realpath = functools.lru_cache(maxsize=None)(identity.resolved)  # this pass only: links may change later
     _escape_from.cache_clear()
     for snap in snapshots:
         report.excluded.extend(snap.excluded)

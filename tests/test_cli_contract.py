@@ -634,8 +634,14 @@ def test_verify_while_a_mirror_writes_says_so(big_nas, tmp_path):
     while not temp_files(hub):
         assert mirror.poll() is None, mirror.communicate()
         time.sleep(0.002)
-    during = stage("verify", "--node", "dgx1", "--json", "--manifest", manifest)
-    text = stage("verify", "--node", "dgx1", "--manifest", manifest)
+    # Held still mid-copy (its lock and temp files in place) while both verifies look: on a loaded
+    # machine the mirror once finished between the two.
+    mirror.send_signal(signal.SIGSTOP)
+    try:
+        during = stage("verify", "--node", "dgx1", "--json", "--manifest", manifest)
+        text = stage("verify", "--node", "dgx1", "--manifest", manifest)
+    finally:
+        mirror.send_signal(signal.SIGCONT)
     _, err = mirror.communicate(timeout=300)
     assert mirror.returncode == 0, err
     report = json.loads(during.stdout)

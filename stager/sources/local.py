@@ -8,6 +8,7 @@ import os
 import stat
 from pathlib import Path
 
+from stager import identity
 from stager.errors import CannotRun
 from stager.small_files import read_regular_head
 from stager.sources.base import Stat, absolute_to_rel, reaching, relative_inside, stat_from_os
@@ -159,8 +160,8 @@ class LocalSource:
         if not is_dir:
             raise CannotRun(f"NAS hub {hub} is not reachable (not a directory)")
         # Absolute links may name the hub by its configured path or by its real path.
-        self._prefixes = sorted({os.path.normpath(hub), os.path.realpath(hub)}, key=len, reverse=True)
-        self._real_root = os.path.realpath(hub)
+        self._prefixes = sorted({os.path.normpath(hub), identity.resolved(hub)}, key=len, reverse=True)
+        self._real_root = identity.resolved(hub)
         self._canonical: dict[str, str | None] = {}
 
     def path(self, rel: str) -> str:
@@ -202,7 +203,7 @@ class LocalSource:
         # Once per directory and run: realpath lstats every component, and a walk asks for the
         # same few blob directories once per entry (a third of walking 1,000 small files).
         if rel_dir not in self._canonical:
-            self._canonical[rel_dir] = relative_inside(os.path.realpath(self.path(rel_dir)), self._real_root)
+            self._canonical[rel_dir] = relative_inside(identity.resolved(self.path(rel_dir)), self._real_root)
         return self._canonical[rel_dir]
 
     def absolute_to_rel(self, target: str) -> str | None:
