@@ -26,6 +26,9 @@ from stager.fleet.node import LABEL, node_argv, run_on_node
 from stager.fleet.report import BYTES_KEY, STATUS, Delivery, FleetReport, NodeRun, unreachable
 from stager.manifest import Manifest
 
+# How often a wait for the nodes' commands looks whether their Ray nodes are still alive.
+LIVENESS_INTERVAL = 2.0
+
 TRANSPORTS = ("broadcast", "sftp", "nas")
 # The closing mirrors may find a relay's lock still held for a moment while Ray kills its actor.
 LOCK_WAIT = "30"
@@ -192,7 +195,7 @@ class Driver:
 
     def present(self, names: list[str]) -> list[str]:
         """The named nodes that have a live Ray node labelled for them; the others are unreachable."""
-        labelled = {node.get("Labels", {}).get(LABEL) for node in self.ray.nodes() if node.get("Alive")}
+        labelled = self.live_labels()
         for name in names:
             if name not in labelled:
                 self.runs[name] = unreachable(name, f"no live Ray node is labelled {LABEL}={name}")
@@ -206,17 +209,39 @@ class Driver:
         ref = self.task.options(label_selector={LABEL: node}, name=f"stage {self.command} {node}").remote(argv, budget)
         self.running[ref] = (node, source)
 
+    def live_labels(self) -> set[str]:
+        return {node.get("Labels", {}).get(LABEL) for node in self.ray.nodes() if node.get("Alive")}
+
     def wait_one(self) -> NodeRun | None:
-        """The next node to finish, or None at the deadline."""
-        if not self.running or self.left() <= 0:
+        """The next node to finish (or found gone), or None at the deadline."""
+        while self.running and self.left() > 0:
+            ready, _ = self.ray.wait(list(self.running), num_returns=1, timeout=min(LIVENESS_INTERVAL, self.left()))
+            if ready:
+                node, source = self.running.pop(ready[0])
+                run = self.collect(ready[0], node, source)
+                self.runs[node] = run
+                return run
+            lost = self.lost_node()
+            if lost is not None:
+                return lost
+        return None
+
+    def lost_node(self) -> NodeRun | None:
+        """A running node whose Ray node has left the cluster, reported unreachable and its task
+        cancelled. Ray never fails a task pinned by label to a node that died: it stays pending,
+        and a node killed mid-broadcast held its whole fleet run until the deadline."""
+        try:
+            live = self.live_labels()
+        except Exception:  # noqa: BLE001 - the GCS did not answer this once: look again next interval
             return None
-        ready, _ = self.ray.wait(list(self.running), num_returns=1, timeout=self.left())
-        if not ready:
-            return None
-        node, source = self.running.pop(ready[0])
-        run = self.collect(ready[0], node, source)
-        self.runs[node] = run
-        return run
+        for ref, (node, source) in list(self.running.items()):
+            if node not in live:
+                del self.running[ref]
+                self.ray.cancel(ref, force=True)
+                self.runs[node] = unreachable(node, f"its Ray node ({LABEL}={node}) left the cluster during the run",
+                                              source)
+                return self.runs[node]
+        return None
 
     def collect(self, ref, node: str, source: str | None) -> NodeRun:
         try:
