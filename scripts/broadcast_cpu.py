@@ -28,7 +28,7 @@ def node(name, root, nas, key, run_id, ports, chains, results, done):
     session = chains.get()
     before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.monotonic()
-    got = relay.run(session)
+    got = relay.run(session, True)
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     results.put((name, cpu, time.monotonic() - started, got))

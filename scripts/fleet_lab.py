@@ -75,14 +75,19 @@ SFTP_SERVERS = ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-serve
 # Ethernet (14) + IPv4 (20) + TCP with timestamps (32): what each frame adds to the TCP payload.
 FRAME_OVERHEAD = 66
 _RUN_ID = re.compile(r"^[0-9a-f]{4}$")
-# Loaded by every Python process of a corrupting node (Lab.corrupting): large sends lose a bit.
-CORRUPTING_SITE = '''import socket
+# Loaded by every Python process of every lab node: while the node's flag file exists
+# (Lab.corrupting), its large sends lose a bit. A switch rather than a restart: a node restarted
+# under its own label was, for Ray, two nodes of that label until the dead one timed out, and the
+# relay could be scheduled onto the dead one.
+CORRUPTING_SITE = '''import os
+import socket
 
 _sendall = socket.socket.sendall
+_flag = os.environ.get("STAGE_LAB_CORRUPT_FLAG", "")
 
 
 def _corrupting_sendall(self, data, *args):
-    if len(data) >= 1 << 20:
+    if len(data) >= 1 << 20 and _flag and os.path.exists(_flag):
         data = bytearray(data)
         data[len(data) // 2] ^= 0x01
     return _sendall(self, data, *args)
@@ -383,30 +388,37 @@ Subsystem sftp {sftp}
                 "--labels", f"{LABEL}={member.name}", "--temp-dir", str(self.root / f"ray-{member.name}"),
                 "--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0"]
 
-    def rejoin(self, member: Member, extra_env: dict[str, str] | None = None) -> None:
-        """Bring a node back after kill_node (or restart it): its sshd, and a new Ray node with its
-        label, whose processes get `extra_env` too."""
+    def rejoin(self, member: Member) -> None:
+        """Bring a node back after kill_node: its sshd, and a new Ray node with its label."""
         self.kill_node(member.name)
         self._start_sshd(member, None)
-        self._ray_start(member, self._node_argv(member), f"{member.name}-again", extra_env)
+        self._ray_start(member, self._node_argv(member), f"{member.name}-again")
         self.wait_for_nodes({member.name})
 
-    def corrupting(self, member: Member) -> None:
-        """Restart a node as a corrupting peer: every Python process on it (its Ray workers, so its
-        relay) flips one byte in each socket send of 1 MiB or more, the way a bad NIC or a
-        malicious member would send a chunk. Its control traffic (small sends, Ray's C++ core,
-        sshd) is untouched. rejoin() without it makes the node honest again."""
-        site = self.root / "corrupting-site"
-        site.mkdir(exist_ok=True)
-        (site / "sitecustomize.py").write_text(CORRUPTING_SITE)
-        self.rejoin(member, {"PYTHONPATH": str(site)})
+    def corrupting(self, member: Member, on: bool = True) -> None:
+        """Make a node a corrupting peer (or, with on=False, honest again): every Python process
+        on it (its Ray workers, so its relay) flips one byte in each socket send of 1 MiB or more,
+        the way a bad NIC or a malicious member would send a chunk. Its control traffic (small
+        sends, Ray's C++ core, sshd) is untouched."""
+        flag = self._corrupt_flag(member)
+        if on:
+            flag.touch()
+        else:
+            flag.unlink(missing_ok=True)
 
-    def _ray_start(self, member: Member | None, argv: list[str], name: str,
-                   extra_env: dict[str, str] | None = None) -> None:
+    def _corrupt_flag(self, member: Member) -> Path:
+        return self.root / f"corrupt-{member.name}"
+
+    def _ray_start(self, member: Member | None, argv: list[str], name: str) -> None:
         log = self.root / f"ray-start-{name}.log"
+        env = self.ray_env()
+        if member is not None:
+            site = self.root / "corrupting-site"
+            site.mkdir(exist_ok=True)
+            (site / "sitecustomize.py").write_text(CORRUPTING_SITE)
+            env.update({"PYTHONPATH": str(site), "STAGE_LAB_CORRUPT_FLAG": str(self._corrupt_flag(member))})
         with open(log, "wb") as out:
-            proc = subprocess.run(self._in(member, argv), env={**self.ray_env(), **(extra_env or {})}, stdout=out,
-                                  stderr=subprocess.STDOUT,
+            proc = subprocess.run(self._in(member, argv), env=env, stdout=out, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, timeout=180, preexec_fn=self._enter_cgroup(member))
         if proc.returncode != 0:
             raise LabError(f"ray start for {name} failed (exit {proc.returncode}): {log.read_text()[-2000:]}")

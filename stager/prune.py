@@ -161,15 +161,19 @@ def _targets(audit_report, goal: str | int) -> list[_Target]:
 # ---------------------------------------------------------------- the run
 
 
+def check_kinds(only: tuple[str, ...]) -> None:
+    bad = [k for k in only if k not in reclaim.KINDS]
+    if bad:
+        raise BadInput(f"--only: {', '.join(bad)} is not a kind ({', '.join(reclaim.KINDS)})")
+
+
 def run_prune(manifest_path: str | None, node: str, *, dry_run: bool, until_free: str | None,
               only: tuple[str, ...]) -> PruneReport:
     from stager import audit
 
     started = time.monotonic()
     goal = parse_until_free(until_free)
-    bad = [k for k in only if k not in reclaim.KINDS]
-    if bad:
-        raise BadInput(f"--only: {', '.join(bad)} is not a kind ({', '.join(reclaim.KINDS)})")
+    check_kinds(only)
     manifest = load_manifest(manifest_path)
     config = manifest.node(node)
     for key, dest in (("hub", config.hub), ("engram_dir", config.engram_dir)):

@@ -110,7 +110,7 @@ def run_all(running: dict, session: Session) -> dict[str, dict]:
     results: dict[str, dict] = {}
 
     def one(name):
-        results[name] = running[name][0].run(session)
+        results[name] = running[name][0].run(session, True)
 
     threads = [threading.Thread(target=one, args=(name,)) for name in running]
     for thread in threads:
@@ -213,7 +213,7 @@ def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_pat
         results: dict[str, dict] = {}
 
         def one(name, chain):
-            results[name] = running[name][0].run(Session(0, nas["files"], chain))
+            results[name] = running[name][0].run(Session(0, nas["files"], chain), True)
             finished[name] = time.monotonic()
 
         started = time.monotonic()
@@ -247,11 +247,20 @@ def test_the_driver_moves_the_first_laggard():
     from stager.fleet.broadcast.chain import LAG_MIN_BYTES, laggard
 
     names = ["a", "b", "c", "d"]
+    full, slow = 12.5e6, 3e6  # bytes per second over the last look
+    fast = dict.fromkeys(names, full)
     healthy = {"a": LAG_MIN_BYTES * 2, "b": LAG_MIN_BYTES * 2 - CHUNK, "c": LAG_MIN_BYTES, "d": LAG_MIN_BYTES}
-    assert laggard(names, healthy, set()) is None
+    assert laggard(names, healthy, fast, fast, set()) is None
     behind = {**healthy, "b": LAG_MIN_BYTES // 2, "c": LAG_MIN_BYTES // 2, "d": LAG_MIN_BYTES // 2}
-    assert laggard(names, behind, set()) == "b"
-    assert laggard(names, behind, {"b"}) is None  # once per node; c only trails b, it is not slow itself
+    trailing = {"a": full, "b": slow, "c": slow, "d": slow}
+    assert laggard(names, behind, trailing, trailing, set()) == "b"
+    assert laggard(names, behind, trailing, trailing, {"b"}) is None  # once per node; c only trails b
+    # Rerouted off b onto a, c starts b's distance behind a and keeps it at full speed: not slow.
+    assert laggard(["a", "c", "b", "d"], behind, {**trailing, "c": full}, {**trailing, "c": full}, {"b"}) is None
+    # Behind an upstream that has finished (its rate now 0), b still holds c back: moved.
+    done = {**behind, "a": 4 * LAG_MIN_BYTES}
+    assert laggard(names, done, {**trailing, "a": 0.0}, trailing, set()) == "b"
     # Nor early in the run, nor the head (it reads the NAS for everyone), nor the tail.
-    assert laggard(names, {"a": CHUNK, "b": 0, "c": 0, "d": 0}, set()) is None
-    assert laggard(names, {"a": LAG_MIN_BYTES, "b": LAG_MIN_BYTES, "c": LAG_MIN_BYTES, "d": 0}, set()) is None
+    assert laggard(names, {"a": CHUNK, "b": 0, "c": 0, "d": 0}, trailing, trailing, set()) is None
+    assert laggard(names, {"a": LAG_MIN_BYTES, "b": LAG_MIN_BYTES, "c": LAG_MIN_BYTES, "d": 0}, trailing, trailing,
+                   set()) is None

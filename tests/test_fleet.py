@@ -689,6 +689,49 @@ def test_fleet_verify_passes_full_and_subset_to_every_node(staged):
         assert report["problems"] == [] and report["checked"] > 0
 
 
+def test_fleet_prune_passes_dry_run_until_free_and_only_to_every_node(staged, nas):
+    """An orphan blob on dgx1 and dgx2: each node's `--until-free` stops before it (the space is
+    there), `--dry-run` lists it and removes nothing, the real run removes exactly it, and every
+    staged byte stays right."""
+    orphans, sizes = {}, {}
+    for index, name in enumerate(("dgx1", "dgx2")):
+        orphan = staged["root"] / name / "hub" / f"models--{FLASH.replace('/', '--')}" / "blobs" / ("ab" * 31 + f"{index:02x}")
+        sizes[name] = 4096 + index
+        orphan.write_bytes(os.urandom(sizes[name]))
+        orphans[name] = orphan
+    try:
+        common = ("--only", "blob", "--json", "--timeout", "120", "--manifest", staged["manifest"])
+        # Already 1 KiB free: the orphan is left, and the target said met.
+        enough, _ = fleet("prune", "--dry-run", "--until-free", "1KiB", *common)
+        assert enough.code == 0, enough.stderr
+        for name in NODES:
+            report = enough.json["nodes"][name]["report"]
+            assert (report["dry_run"], report["until_free"], report["target_met"], report["removed"]) == (
+                True, "1KiB", True, []), report
+            assert [item["path"] for item in report["left"]] == ([str(orphans[name])] if name in orphans else [])
+        dry, _ = fleet("prune", "--dry-run", *common)
+        assert dry.code == 0, dry.stderr
+        for name in NODES:
+            report = dry.json["nodes"][name]["report"]
+            assert report["dry_run"] is True and report["until_free"] is None, report
+            listed = [item["path"] for item in report["removed"]]
+            assert listed == ([str(orphans[name])] if name in orphans else []), (name, listed)
+        assert all(orphan.exists() for orphan in orphans.values())
+        real, _ = fleet("prune", *common)
+        assert real.code == 0, real.stderr
+        for name in NODES:
+            run = real.json["nodes"][name]
+            assert run["report"]["dry_run"] is False
+            assert [item["path"] for item in run["report"]["removed"]] == ([str(orphans[name])] if name in orphans else [])
+            assert run["bytes"] == run["report"]["freed_bytes"] == sizes.get(name, 0)
+        assert not any(orphan.exists() for orphan in orphans.values())
+    finally:
+        for orphan in orphans.values():
+            orphan.unlink(missing_ok=True)
+    for name in NODES:
+        assert_staged_like_the_nas(staged["root"] / name / "hub", nas)
+
+
 def test_each_node_runs_the_node_local_command_with_its_own_rank(nas, sshd, tmp_path):
     from stager.fleet import node_argv
     from stager.manifest import load_manifest
@@ -718,6 +761,10 @@ def test_misuse_is_bad_input(nas, sshd, tmp_path):
     assert result.code == 2 and "--full and --subset apply to `stage fleet verify` only, not mirror" in result.stderr
     result, _ = fleet("verify", "--subset", "3", "--manifest", manifest)
     assert result.code == 2 and "--subset expects N/T such as 3/7, got '3'" in result.stderr
+    result, _ = fleet("mirror", "--until-free", "1GiB", "--manifest", manifest)
+    assert result.code == 2 and "apply to `stage fleet prune` only, not mirror" in result.stderr
+    result, _ = fleet("prune", "--only", "snapshots", "--manifest", manifest)
+    assert result.code == 2 and "--only: snapshots is not a kind" in result.stderr
 
 
 def test_no_cluster_at_ray_address_exits_3_without_hanging(nas, sshd, tmp_path):

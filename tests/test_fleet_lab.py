@@ -220,15 +220,13 @@ def test_a_corrupting_peer_is_refused_named_and_routed_around(lab):
     try:
         run = broadcast(lab)
     finally:
-        lab.rejoin(lab.nodes[nodes[0]])
+        lab.corrupting(lab.nodes[nodes[0]], on=False)
     assert run.code == 0, run.stderr
     assert_every_byte_right(lab)
     named = {sender for n in nodes for sender in run.report["nodes"][n]["bad_senders"]}
     assert named == {nodes[0]}, run.report["nodes"]
 
 
-@pytest.mark.xfail(reason="measured: the run waits out --timeout for the dead node (docs/fleet.md, 'Measured on "
-                          "the lab')", strict=False)
 def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab):
     """kill -9 of everything in dgx2's namespace once it has received half the data: the others
     finish with every byte right, the table names dgx2, and after it comes back a re-run stages it."""

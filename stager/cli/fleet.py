@@ -31,6 +31,12 @@ def fleet(
         "--ports", metavar="LOW-HIGH", help="mirror --transport broadcast: TCP ports the relays listen on (default: any)")] = None,
     full: FullOpt = False,
     subset: Annotated[Optional[str], typer.Option("--subset", help="verify: check bucket N of T (N/T) on every node")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", "-n", help="prune: list what each node would remove, and remove nothing")] = False,
+    until_free: Annotated[Optional[str], typer.Option(
+        "--until-free", metavar="SIZE|reserve", help="prune: stop on each node once SIZE is free (see stage prune)")] = None,
+    only: Annotated[Optional[list[str]], typer.Option(
+        "--only", metavar="KIND", help="prune: remove only items of this kind (repeatable; see stage prune)")] = None,
     allow_unauthenticated_cluster: Annotated[bool, typer.Option(
         "--allow-unauthenticated-cluster",
         help="Run on a Ray cluster that accepts requests without a token (anyone who reaches it runs code)")] = False,
@@ -44,8 +50,9 @@ def fleet(
     from stager.manifest import load_manifest
 
     names = [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None
+    prune = core.PruneOptions(dry_run, until_free, tuple(only or ()))
     report = core.run_fleet(load_manifest(manifest), command.value, names, timeout=timeout, fan_out=fan_out, transport=transport, ports=ports,
-                            full=full, subset=subset, allow_unauthenticated=allow_unauthenticated_cluster)
+                            full=full, subset=subset, prune=prune, allow_unauthenticated=allow_unauthenticated_cluster)
     if json:
         terminal.emit_json(report.to_json())
     else:

@@ -7,8 +7,8 @@ Ray task; `report` is the per-node outcome and the table; `sftp_tree` is the SFT
 bytes; `needs` is the driver's decision of who needs which file.
 """
 
-from stager.fleet.driver import run_fleet
+from stager.fleet.driver import PruneOptions, run_fleet
 from stager.fleet.node import LABEL, node_argv
 from stager.fleet.report import FleetReport, NodeRun, table
 
-__all__ = ["LABEL", "FleetReport", "NodeRun", "node_argv", "run_fleet", "table"]
+__all__ = ["LABEL", "FleetReport", "PruneOptions", "NodeRun", "node_argv", "run_fleet", "table"]

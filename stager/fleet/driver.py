@@ -8,7 +8,8 @@ reported as unreachable (exit 3); the fleet's exit code is the worst node's.
 
 For `mirror` the driver also decides where each node's bytes come from (the transport): its own
 source (`nas`), a staged peer over SFTP (`sftp`, --fan-out), or, for the files two or more
-nodes need, the broadcast (`broadcast`, the default), after which each node's own mirror finishes. It never knows how a byte moves:
+nodes need, the broadcast (`broadcast`, the default), after which each node's own mirror finishes
+(started as soon as that node has received its part). It never knows how a byte moves:
 that is the transport's, and a transport never decides what a node needs.
 """
 
@@ -34,9 +35,19 @@ TRANSPORTS = ("broadcast", "sftp", "nas")
 LOCK_WAIT = "30"
 
 
+@dataclass(frozen=True)
+class PruneOptions:
+    """`stage fleet prune`'s options for each node's `stage prune`."""
+
+    dry_run: bool = False
+    until_free: str | None = None
+    only: tuple[str, ...] = ()
+
+
 def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
               fan_out: bool = False, transport: str | None = None, ports: str | None = None, full: bool = False,
-              subset: str | None = None, allow_unauthenticated: bool = False) -> FleetReport:
+              subset: str | None = None, prune: PruneOptions = PruneOptions(),
+              allow_unauthenticated: bool = False) -> FleetReport:
     names = list(dict.fromkeys(nodes or manifest.nodes))
     if not names:
         raise BadInput(f"{manifest.path}: nodes: no nodes to run on")
@@ -46,7 +57,7 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     port_range = parse_ports(ports)
     if port_range and transport != "broadcast":
         raise BadInput("--ports applies to the broadcast transport only (stage fleet mirror)")
-    options = verify_options(command, full, subset)
+    options = verify_options(command, full, subset) + prune_options(command, prune)
     ray = import_ray()
     started = time.monotonic()
     # Ray prints what its raylets report (a worker killed, ...) on this process's stdout, where
@@ -72,9 +83,9 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
 
             runs = stage_by_tree(driver, names)
         elif transport == "broadcast":
-            delivered = broadcast_shared(driver, names, port_range)
             driver.options = ("--wait", LOCK_WAIT)
-            runs = driver.all_at_once(names)
+            delivered = broadcast_shared(driver, names, port_range)
+            runs = driver.all_at_once([name for name in names if name not in driver.started()])
         else:
             runs = driver.all_at_once(names)
     finally:
@@ -141,7 +152,10 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
         return shared_files(manifest, {name: plans[name] for name in present if name in plans})
 
     reserve = min(300.0, 0.3 * driver.timeout)
-    return broadcast(driver.ray, manifest, able, plan, deadline=driver.deadline - reserve, ports=ports)
+    # Each node's closing mirror starts as soon as its relay has its last file: a slow node at the
+    # chain's tail once held back every other node's refs until it was done.
+    return broadcast(driver.ray, manifest, able, plan, deadline=driver.deadline - reserve, ports=ports,
+                     done=driver.launch)
 
 
 def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: dict | None) -> NodeRun:
@@ -176,6 +190,22 @@ def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, .
     return (("--full",) if full else ()) + (("--subset", subset) if chosen else ())
 
 
+def prune_options(command: str, prune: PruneOptions) -> tuple[str, ...]:
+    """`--dry-run`, `--until-free` and `--only` for each node's `stage prune`, checked once here."""
+    if prune == PruneOptions():
+        return ()
+    if command != "prune":
+        raise BadInput(f"--dry-run, --until-free and --only apply to `stage fleet prune` only, not {command}")
+    from stager.prune import check_kinds, parse_until_free
+
+    parse_until_free(prune.until_free)
+    check_kinds(prune.only)
+    return ((("--dry-run",) if prune.dry_run else ())
+            + (("--until-free", prune.until_free) if prune.until_free is not None else ())
+            + tuple(option for kind in prune.only for option in ("--only", kind)))
+
+
+
 @dataclass
 class Driver:
     ray: object
@@ -208,6 +238,10 @@ class Driver:
         budget = max(1.0, self.left() - min(5.0, 0.1 * self.timeout))
         ref = self.task.options(label_selector={LABEL: node}, name=f"stage {self.command} {node}").remote(argv, budget)
         self.running[ref] = (node, source)
+
+    def started(self) -> set[str]:
+        """The nodes whose command was launched, or that were found unreachable."""
+        return {node for node, _source in self.running.values()} | set(self.runs)
 
     def live_labels(self) -> set[str]:
         return {node.get("Labels", {}).get(LABEL) for node in self.ray.nodes() if node.get("Alive")}

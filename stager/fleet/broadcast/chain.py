@@ -20,8 +20,8 @@ from stager.manifest import Manifest
 OPEN_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 10.0
 # How the driver spots a laggard: every WATCH_INTERVAL it asks each relay how much it holds; a
-# node holding less than LAG_FRACTION of what its upstream holds, once that is LAG_MIN_BYTES,
-# goes to the tail.
+# node receiving at less than LAG_FRACTION of the best rate its upstream has shown, and
+# LAG_MIN_BYTES behind it, goes to the tail.
 WATCH_INTERVAL = 1.0
 PROGRESS_TIMEOUT = 2.0
 LAG_FRACTION = 0.5
@@ -38,11 +38,15 @@ def bind_host(address: str) -> str:
 
 def broadcast(ray, manifest: Manifest, nodes: list[str],
               plan: Callable[[], list[tuple[tuple[str, ...], tuple[Share, ...]]]], *,
-              deadline: float, ports: tuple[int, int] | None) -> dict[str, dict]:
+              deadline: float, ports: tuple[int, int] | None, done: Callable[[str], None]) -> dict[str, dict]:
     """Start a relay on each of `nodes`, then (while they start) ask `plan` for the sessions, then
     run every session's chain. Returns per node {peer_bytes, nas_bytes, landed_files, fallbacks,
     bad_senders, refused, error}. The key and run id are minted here and go to the relays as
-    arguments of `open`, over Ray's authenticated channel, and nowhere else."""
+    arguments of `open`, over Ray's authenticated channel, and nowhere else.
+
+    `done(name)` is called as soon as a node has received its last session: its relay has let go
+    of the hub's lock by then (it goes on serving its downstream from what it wrote), so the
+    node's own closing mirror can run while slower nodes still receive."""
     key, run_id = mint()
     stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "fallbacks": [], "bad_senders": [],
                     "refused": [], "error": None} for name in nodes}
@@ -66,19 +70,22 @@ def broadcast(ray, manifest: Manifest, nodes: list[str],
             except Exception as exc:  # noqa: BLE001 - this node stages from the NAS instead
                 if name in needed:
                     stats[name]["error"] = f"relay did not start: {_last_line(exc)}"
-        for number, (members, files) in enumerate(sessions):
-            chain = tuple((name, bind_host(manifest.nodes[name].address), listening[name])
-                          for name in members if name in listening)
-            if len(chain) < 2:
-                continue  # one node left: it reads the NAS itself, in its mirror
-            _run_chain(ray, relays, Session(number, files, chain), stats, deadline)
+        chains = [tuple((name, bind_host(manifest.nodes[name].address), listening[name])
+                        for name in members if name in listening) for members, _files in sessions]
+        # One node left of a chain reads the NAS itself, in its mirror.
+        runs = [(Session(number, files, chain)) for number, ((_, files), chain) in enumerate(zip(sessions, chains))
+                if len(chain) >= 2]
+        last = {name: session.number for session in runs for name, _, _ in session.chain}
+        for session in runs:
+            _run_chain(ray, relays, session, stats, deadline, last, done)
     finally:
         _close(ray, relays, stats)
     return stats
 
 
-def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], deadline: float) -> None:
-    running = {relays[name].run.remote(session): name for name, _, _ in session.chain}
+def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], deadline: float,
+               last: dict[str, int], done: Callable[[str], None]) -> None:
+    running = {relays[name].run.remote(session, last[name] == session.number): name for name, _, _ in session.chain}
     watch = _Laggards(ray, relays, session)
     while running:
         ready, _ = ray.wait(list(running), num_returns=1,
@@ -96,12 +103,14 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             got = ray.get(ready[0])
         except Exception as exc:  # noqa: BLE001 - the relay died (kill -9, OOM): its mirror stages it
             stats[name]["error"] = f"relay failed: {_last_line(exc)}"
-            continue
-        mine = stats[name]
-        for field in ("peer_bytes", "nas_bytes", "landed_files"):
-            mine[field] += got[field]
-        mine["fallbacks"] += got["fallbacks"]
-        mine["bad_senders"] = sorted(set(mine["bad_senders"]) | set(got["bad_senders"]))
+        else:
+            mine = stats[name]
+            for field in ("peer_bytes", "nas_bytes", "landed_files"):
+                mine[field] += got[field]
+            mine["fallbacks"] += got["fallbacks"]
+            mine["bad_senders"] = sorted(set(mine["bad_senders"]) | set(got["bad_senders"]))
+        if last[name] == session.number:
+            done(name)
     for name in watch.moved:
         stats[name]["moved_to_tail"] = True
 
@@ -109,13 +118,19 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
 class _Laggards:
     """A node far behind its upstream holds back every node after it: it is moved to the tail of
     the chain, where the last node serves it from disk, and its downstream takes the chunks from
-    its upstream instead. Once per node, and never the head (it reads the NAS for everyone)."""
+    its upstream instead. Once per node, and never the head (it reads the NAS for everyone).
+
+    Judged by rate, not by bytes held: a node just rerouted off a laggard starts that laggard's
+    distance behind its new upstream and keeps it while both receive at full speed. Judged by
+    bytes, it was moved too, behind the laggard, and stalled there."""
 
     def __init__(self, ray, relays: dict, session: Session):
         self.ray, self.relays, self.session = ray, relays, session
         self.chain = session.chain
         self.moved: set[str] = set()
         self.total = sum(share.size for share in session.files)
+        self.last: tuple[float, dict[str, int]] | None = None  # the previous look: when, and who held what
+        self.peaks: dict[str, float] = {}  # each node's best receive rate so far, bytes per second
 
     def check(self, running: set[str]) -> None:
         names = [name for name, _, _ in self.chain]
@@ -126,7 +141,14 @@ class _Laggards:
             return
         for name in names:
             held.setdefault(name, self.total)  # finished (or gone: its downstream looks elsewhere)
-        name = laggard(names, held, self.moved)
+        now, previous = time.monotonic(), self.last
+        self.last = (now, held)
+        if previous is None:
+            return
+        rates = {name: (held[name] - previous[1].get(name, 0)) / max(now - previous[0], 1e-3) for name in names}
+        for name, rate in rates.items():
+            self.peaks[name] = max(rate, self.peaks.get(name, 0.0))
+        name = laggard(names, held, rates, self.peaks, self.moved)
         if name is not None:
             self.moved.add(name)
             self.chain = tuple(hop for hop in self.chain if hop[0] != name) + tuple(
@@ -135,12 +157,15 @@ class _Laggards:
                 self.relays[other].reroute.remote(self.session.number, self.chain)
 
 
-def laggard(names: list[str], held: dict[str, int], moved: set[str]) -> str | None:
-    """The first node (not the head, not the tail, not moved before) holding less than
-    LAG_FRACTION of what its upstream holds, once the upstream holds LAG_MIN_BYTES."""
+def laggard(names: list[str], held: dict[str, int], rates: dict[str, float], peaks: dict[str, float],
+            moved: set[str]) -> str | None:
+    """The first node (not the head, not the tail, not moved before) LAG_MIN_BYTES behind its
+    upstream and receiving at less than LAG_FRACTION of the best rate that upstream has shown
+    (bytes per second over one look): what it could be sending, even once it has finished."""
     for index in range(1, len(names) - 1):
         name, upstream = names[index], names[index - 1]
-        if name not in moved and held[upstream] >= LAG_MIN_BYTES and held[name] < LAG_FRACTION * held[upstream]:
+        if (name not in moved and held[upstream] - held[name] >= LAG_MIN_BYTES
+                and rates[name] < LAG_FRACTION * peaks.get(upstream, 0.0)):
             return name
     return None
 

@@ -13,8 +13,9 @@ resume from any (file, chunk) it asks for, on any holder. Whatever the relay can
 or silent upstream with no other holder and an unreadable NAS, a file that changed) is left to
 the node's closing `stage mirror`, which copies it from the NAS: a fallback, reported.
 
-The relay holds the node hub's writer lock from `open` to `close`; a relay killed at any point
-leaves only temp files (swept by the next mirror) and the blobs it had fully checked.
+The relay holds the node hub's writer lock from `open` until its last session is landed (then the
+node's closing mirror may start while it still serves downstream nodes); a relay killed at any
+point leaves only temp files (swept by the next mirror) and the blobs it had fully checked.
 """
 
 from __future__ import annotations
@@ -183,8 +184,10 @@ class Relay:
 
     # ---- receiving ------------------------------------------------------------------------------
 
-    def run(self, session: Session) -> dict:
-        """Receive and land every file of the session; returns what came from where."""
+    def run(self, session: Session, last: bool) -> dict:
+        """Receive and land every file of the session; returns what came from where. After this
+        node's `last` session the hub's lock is let go: nothing more is written, and what was
+        landed is served from the descriptors held open, so the node's closing mirror can start."""
         files = [_Held(share.size) for share in session.files]
         with self.cond:
             self.sessions[session.number] = files
@@ -205,6 +208,8 @@ class Relay:
                         self.cond.notify_all()
         finally:
             feed.close()
+            if last:
+                self._lock.close()
         return {"peer_bytes": feed.peer_bytes, "nas_bytes": feed.nas_bytes, "landed_files": landed,
                 "fallbacks": feed.fallbacks, "bad_senders": sorted(set(feed.bad_senders)),
                 "upstreams": feed.used}
