@@ -65,7 +65,7 @@ def main() -> None:
     for proc in procs:
         proc.start()
     listening = dict(ports.get(timeout=60) for _ in names)
-    session = Session(0, (share,), tuple((n, "127.0.0.1", listening[n]) for n in names))
+    session = Session(0, (share,), tuple((n, "127.0.0.1", listening[n]) for n in names), 7)
     for queue in chains:
         queue.put(session)
     print(f"keyed BLAKE3 alone: {mac_per_gb:.2f} s CPU per GB")

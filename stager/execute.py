@@ -321,7 +321,7 @@ Fill = Callable[[object, AtomicFile, object], None]
 
 
 def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, full: bool, fill: Fill,
-                  batch: SyncBatch | None = None) -> None:
+                  batch: SyncBatch | None = None, vouched: Callable[[], Digest | None] | None = None) -> None:
     """Put one file's bytes into a temp file beside its final name with `fill(reader, out, hasher)`
     and check them *before* the rename, so a wrong byte never gets a final name.
 
@@ -331,6 +331,14 @@ def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, f
     check is the same whoever filled the file: --full hashes the stream (one read) against the
     reference; the default re-reads the sampled regions of the temp file against the source.
     Raises OSError (SourceChanged among them) or a mismatch; the temp file is then discarded.
+
+    `vouched` (the broadcast's, default mode only) gives, once the file is filled, the sample of
+    the source taken by the node that read these very bytes from it, with this run's seed, after
+    that node's own check passed (its key proves who sent it); or None. With it, the temp file
+    is checked against that sample and the source is not read again: every node of a chain
+    sampling the NAS twice cost more NAS bytes than the data, on shards of a few MiB. A fill
+    that passes `vouched` samples the source itself before its first read of it, if it reads
+    it at all; the check after the fill is then the usual one.
     """
     dest = inside(local_hub, copy.dest)
     # A small file is copied in the kernel from the pages its sample just read (copier.py): no
@@ -341,7 +349,8 @@ def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, f
             raise _Mismatch(f"source size changed from {copy.size} to {reader.size} since the walk")
         before = reader.state()
         hasher = new_hasher(copy.reference.method, copy.size) if full else None
-        if not full:
+        vouch: Digest | None = None
+        if not full and vouched is None:
             # Sampled through the reader the copy uses, before the copy: the copy then finds the
             # sampled pages cached, where a second uncached open read a small file twice from the NAS.
             cache.remember(copy.source, sampled_digest(reader, cache.seed))
@@ -357,9 +366,14 @@ def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, f
                     expected = Digest(copy.reference.method, copy.size, copy.reference.value)
             else:
                 got = sampled_digest(out, cache.seed)
-                expected = cache.sampled(copy.source)
-            # The sample of the copy is read once: the default mode already took it as `got`.
-            _unchanged_during_copy(reader, before, sampled_digest(out, cache.seed) if full else got, cache.seed)
+                vouch = vouched() if vouched is not None else None
+                if vouch is not None:
+                    cache.remember(copy.source, vouch)
+                expected = vouch or cache.sampled(copy.source)
+            if vouch is None:
+                # A vouched file was checked so by the node that read it from the source.
+                # The sample of the copy is read once: the default mode already took it as `got`.
+                _unchanged_during_copy(reader, before, sampled_digest(out, cache.seed) if full else got, cache.seed)
             if judge(got, expected) is not Verdict.MATCH and full and copy.reference.value is not None:
                 # The bytes just read from the NAS, unchanged during the read, are not what their
                 # own name (or the trees listing) says: no copy of them can be right.

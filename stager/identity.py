@@ -122,35 +122,42 @@ def inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
 
 def writers(ids: set[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
     """Processes on this host holding any of `ids` ((st_dev, st_ino)) open for writing: id -> pids.
-
-    Read from /proc: each descriptor's access mode and inode number in /proc/<pid>/fdinfo, and only
-    for a writable one with a matching inode number a stat of the open file itself, so a hung NFS
-    mount that another process has a file open on is never touched. Blind to writers on other hosts
-    (NFS clients elsewhere), to a shared writable mmap whose descriptor was closed, and to processes
-    this one may not inspect (run as root to see all)."""
-    numbers = {ino for _dev, ino in ids}
+    Blind to writers on other hosts (NFS clients elsewhere), to a shared writable mmap whose
+    descriptor was closed, and to processes this one may not inspect (run as root to see all)."""
     found: dict[tuple[int, int], list[int]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        for file_id in open_by(int(pid), ids, writable_only=True):
+            found.setdefault(file_id, []).append(int(pid))
+    return found
+
+
+def open_by(pid: int, ids: set[tuple[int, int]], *, writable_only: bool = False) -> list[tuple[int, int]]:
+    """Which of `ids` process `pid` has open (one entry per descriptor; only those open for
+    writing if `writable_only`). Read from /proc: each descriptor's access mode and inode number
+    in /proc/<pid>/fdinfo, and only for a matching inode number a stat of the open file itself,
+    so a hung NFS mount that the process has a file open on is never touched."""
+    numbers = {ino for _dev, ino in ids}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []  # gone, or not ours to inspect
+    found = []
+    for fd in fds:
+        link = f"/proc/{pid}/fd/{fd}"
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue  # gone, or not ours to inspect
-        for fd in fds:
-            link = f"/proc/{pid}/fd/{fd}"
-            try:
-                if not os.readlink(link).startswith("/"):
-                    continue  # a socket, pipe or anonymous inode
-                with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii") as handle:
-                    info = dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
-                if int(info["flags"], 8) & os.O_ACCMODE == os.O_RDONLY:
-                    continue
-                if "ino" in info and int(info["ino"]) not in numbers:
-                    continue  # kernels before 5.14 have no ino line: the stat decides
-                st = os.stat(link)
-            except (OSError, KeyError, ValueError):
-                continue  # the descriptor closed while we looked
-            if (st.st_dev, st.st_ino) in ids:
-                found.setdefault((st.st_dev, st.st_ino), []).append(int(pid))
+            if not os.readlink(link).startswith("/"):
+                continue  # a socket, pipe or anonymous inode
+            with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii") as handle:
+                info = dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
+            if writable_only and int(info["flags"], 8) & os.O_ACCMODE == os.O_RDONLY:
+                continue
+            if "ino" in info and int(info["ino"]) not in numbers:
+                continue  # kernels before 5.14 have no ino line: the stat decides
+            st = os.stat(link)
+        except (OSError, KeyError, ValueError):
+            continue  # the descriptor closed while we looked
+        if (st.st_dev, st.st_ino) in ids:
+            found.append((st.st_dev, st.st_ino))
     return found
 
 

@@ -20,6 +20,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from stager import identity
+
 FileId = tuple[int, int]  # (st_dev, st_ino)
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
@@ -54,25 +56,9 @@ def _pids() -> list[int]:
     return sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
 
 
-def _by_descriptor(pid: int, numbers: set[int], ids: set[FileId], found: dict[FileId, list[Use]]) -> None:
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return  # gone, or not ours to inspect
-    for fd in fds:
-        link = f"/proc/{pid}/fd/{fd}"
-        try:
-            if not os.readlink(link).startswith("/"):
-                continue  # a socket, pipe or anonymous inode
-            with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii") as handle:
-                ino = next((line[4:].strip() for line in handle if line.startswith("ino:")), None)
-            if ino is not None and int(ino) not in numbers:
-                continue  # kernels before 5.14 have no ino line: the stat decides
-            st = os.stat(link)
-        except (OSError, ValueError):
-            continue  # the descriptor closed while we looked
-        if (st.st_dev, st.st_ino) in ids:
-            found.setdefault((st.st_dev, st.st_ino), []).append(Use(pid, command_of(pid), "open"))
+def _by_descriptor(pid: int, ids: set[FileId], found: dict[FileId, list[Use]]) -> None:
+    for file_id in identity.open_by(pid, ids):
+        found.setdefault(file_id, []).append(Use(pid, command_of(pid), "open"))
 
 
 def _by_mapping(pid: int, numbers: set[int], ids: set[FileId], found: dict[FileId, list[Use]]) -> None:
@@ -173,7 +159,7 @@ def users(ids: set[FileId], *, dirs: dict[FileId, list[FileId]] | None = None,
     for pid in _pids():
         if pid == me:
             continue
-        _by_descriptor(pid, numbers, ids, found)
+        _by_descriptor(pid, ids, found)
         _by_mapping(pid, numbers, ids, found)
     if devices:
         _by_mount(set(devices), ids, dirs or {}, found)

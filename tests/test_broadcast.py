@@ -136,7 +136,7 @@ def test_a_byte_flipped_on_the_wire_is_refused_the_sender_named_and_the_chunk_fe
         middle_port = int(middle.stdout.readline())
         chain = (("a", "127.0.0.1", middle_port), ("b", "127.0.0.1", running["b"][1]),
                  ("c", "127.0.0.1", running["c"][1]))
-        results = run_all(running, Session(0, nas["files"], chain))
+        results = run_all(running, Session(0, nas["files"], chain, 7))
     finally:
         middle.kill()
         middle.wait()
@@ -157,6 +157,100 @@ def test_a_byte_flipped_on_the_wire_is_refused_the_sender_named_and_the_chunk_fe
         assert (tmp_path / name / "hub" / HUB_LOCK).exists()
 
 
+class _CountingSource:
+    """The relay's real NAS source, counting the bytes its readers return (per relay)."""
+
+    def __init__(self, source, tally: dict, name: str):
+        self.source, self.tally, self.name = source, tally, name
+
+    def open(self, rel, **options):
+        return _CountingReader(self.source.open(rel, **options), self.tally, self.name)
+
+    def __getattr__(self, attribute):
+        return getattr(self.source, attribute)
+
+
+class _CountingReader:
+    def __init__(self, reader, tally: dict, name: str):
+        self.reader, self.tally, self.name = reader, tally, name
+
+    def pread(self, length, offset):
+        data = self.reader.pread(length, offset)
+        self.tally[self.name] = self.tally.get(self.name, 0) + len(data)
+        return data
+
+    def readinto_at(self, view, offset):
+        got = self.reader.readinto_at(view, offset)
+        self.tally[self.name] = self.tally.get(self.name, 0) + got
+        return got
+
+    def __getattr__(self, attribute):
+        return getattr(self.reader, attribute)
+
+
+def test_only_the_node_that_reads_the_nas_samples_it_and_its_sample_is_keyed(tmp_path, nas, monkeypatch):
+    """a -> b -> c: a reads every byte and samples the NAS; b and c check their copies against
+    the sample a sends after each file and read nothing from the NAS. Then a byte of that sample
+    is flipped on the wire to b: b refuses it, names a, and samples the NAS itself."""
+    from stager.fleet.broadcast import keys, relay as relay_module
+
+    tally: dict[str, int] = {}
+    real_open = relay_module.open_source
+    monkeypatch.setattr(relay_module, "open_source", lambda url, aliases: _CountingSource(
+        real_open(url, aliases), tally, threading.current_thread().name))
+
+    def run_named(running, session):
+        results = {}
+        threads = [threading.Thread(target=lambda n=name: results.__setitem__(n, running[n][0].run(session, True)),
+                                    name=name) for name in running]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        return results
+
+    total = sum(share.size for share in nas["files"])
+    key, run_id = mint()
+    running = relays(tmp_path / "clean", nas, key, run_id)
+    try:
+        chain = tuple((name, "127.0.0.1", running[name][1]) for name in ("a", "b", "c"))
+        results = run_named(running, Session(0, nas["files"], chain, 7))
+    finally:
+        for relay, _ in running.values():
+            relay.close()
+    assert results["a"]["nas_bytes"] == total and total < tally["a"] < 2 * total, tally
+    assert "b" not in tally and "c" not in tally, tally
+    assert [results[name]["peer_bytes"] for name in ("b", "c")] == [total, total]
+    for name in running:
+        assert_landed(tmp_path / "clean", name, nas)
+
+    # The big file's sample follows its three chunks on the a -> b stream.
+    big = nas["files"][0]
+    handshake = len(keys.GREETING) + keys.NONCE_BYTES + keys.MAC_BYTES
+    frame = relay_module.FRAME.size
+    inside_sample = handshake + 3 * frame + big.size + frame + 5
+    tally.clear()
+    key, run_id = mint()
+    running = relays(tmp_path / "flipped", nas, key, run_id)
+    middle = subprocess.Popen([sys.executable, "-c", MAN_IN_THE_MIDDLE, str(running["a"][1]), str(inside_sample)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        chain = (("a", "127.0.0.1", int(middle.stdout.readline())), ("b", "127.0.0.1", running["b"][1]),
+                 ("c", "127.0.0.1", running["c"][1]))
+        results = run_named(running, Session(0, nas["files"], chain, 7))
+    finally:
+        middle.kill()
+        middle.wait()
+        for relay, _ in running.values():
+            relay.close()
+    assert results["b"]["bad_senders"] == ["a"] and results["b"]["landed_files"] == 2, results["b"]
+    assert results["b"]["peer_bytes"] == total - nas["files"][1].size  # the small file: from the NAS
+    assert tally.get("b", 0) > nas["files"][1].size, tally  # and the big file's sample, taken by b itself
+    assert results["c"]["bad_senders"] == [] and "c" not in tally, (results["c"], tally)
+    for name in running:
+        assert_landed(tmp_path / "flipped", name, nas)
+
+
 def test_strangers_are_refused_before_any_data_and_logged(tmp_path, nas):
     key, run_id = mint()
     running = relays(tmp_path, nas, key, run_id, names=("a", "b"))
@@ -165,7 +259,7 @@ def test_strangers_are_refused_before_any_data_and_logged(tmp_path, nas):
         strangers = [subprocess.run([sys.executable, "-c", STRANGER, str(port), kind], capture_output=True, text=True,
                                     timeout=60) for kind in ("no-key", "wrong-key")]
         chain = tuple((name, "127.0.0.1", running[name][1]) for name in ("a", "b"))
-        results = run_all(running, Session(0, nas["files"], chain))
+        results = run_all(running, Session(0, nas["files"], chain, 7))
     finally:
         refused = running["a"][0].close()["refused"]
         running["b"][0].close()
@@ -185,7 +279,7 @@ def test_a_downstream_whose_upstream_dies_resumes_from_the_next_holder(tmp_path,
     dead_relay.close()
     chain = (("a", "127.0.0.1", running["a"][1]), ("b", "127.0.0.1", dead_port), ("c", "127.0.0.1", running["c"][1]))
     try:
-        results = run_all(running, Session(0, nas["files"], chain))
+        results = run_all(running, Session(0, nas["files"], chain, 7))
     finally:
         for relay, _ in running.values():
             relay.close()
@@ -213,7 +307,7 @@ def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_pat
         results: dict[str, dict] = {}
 
         def one(name, chain):
-            results[name] = running[name][0].run(Session(0, nas["files"], chain), True)
+            results[name] = running[name][0].run(Session(0, nas["files"], chain, 7), True)
             finished[name] = time.monotonic()
 
         started = time.monotonic()

@@ -9,11 +9,12 @@ from the NAS by the node's closing `stage mirror`.
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Callable
 
 from stager.fleet.broadcast.keys import mint
-from stager.fleet.broadcast.relay import Relay, Session, Share
+from stager.fleet.broadcast.relay import CHUNK, Relay, Session, Share
 from stager.fleet.node import LABEL
 from stager.manifest import Manifest
 
@@ -25,7 +26,12 @@ CLOSE_TIMEOUT = 10.0
 WATCH_INTERVAL = 1.0
 PROGRESS_TIMEOUT = 2.0
 LAG_FRACTION = 0.5
-LAG_MIN_BYTES = 32 * 1024 * 1024  # 4 chunks: more than a healthy relay's lag of one or two
+# After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
+# of nothing received made the node just rerouted off a laggard look like one (the lab saw it).
+REROUTE_GRACE = 3.0
+# 3 chunks: more than a healthy relay's lag of one or two, and small enough that a laggard is
+# found while its upstream still has data to send it (the lab's 48 MiB runs missed it at 4).
+LAG_MIN_BYTES = 3 * CHUNK
 
 
 def bind_host(address: str) -> str:
@@ -73,7 +79,8 @@ def broadcast(ray, manifest: Manifest, nodes: list[str],
         chains = [tuple((name, bind_host(manifest.nodes[name].address), listening[name])
                         for name in members if name in listening) for members, _files in sessions]
         # One node left of a chain reads the NAS itself, in its mirror.
-        runs = [(Session(number, files, chain)) for number, ((_, files), chain) in enumerate(zip(sessions, chains))
+        seed = secrets.randbits(32)
+        runs = [Session(number, files, chain, seed) for number, ((_, files), chain) in enumerate(zip(sessions, chains))
                 if len(chain) >= 2]
         last = {name: session.number for session in runs for name, _, _ in session.chain}
         for session in runs:
@@ -130,6 +137,7 @@ class _Laggards:
         self.moved: set[str] = set()
         self.total = sum(share.size for share in session.files)
         self.last: tuple[float, dict[str, int]] | None = None  # the previous look: when, and who held what
+        self.quiet_until = 0.0  # no judging before this (monotonic): a reroute is settling
         self.peaks: dict[str, float] = {}  # each node's best receive rate so far, bytes per second
 
     def check(self, running: set[str]) -> None:
@@ -143,14 +151,15 @@ class _Laggards:
             held.setdefault(name, self.total)  # finished (or gone: its downstream looks elsewhere)
         now, previous = time.monotonic(), self.last
         self.last = (now, held)
-        if previous is None:
-            return
+        if previous is None or previous[0] < self.quiet_until:
+            return  # rates need two looks, both after the last reroute settled
         rates = {name: (held[name] - previous[1].get(name, 0)) / max(now - previous[0], 1e-3) for name in names}
         for name, rate in rates.items():
             self.peaks[name] = max(rate, self.peaks.get(name, 0.0))
         name = laggard(names, held, rates, self.peaks, self.moved)
         if name is not None:
             self.moved.add(name)
+            self.quiet_until = now + REROUTE_GRACE
             self.chain = tuple(hop for hop in self.chain if hop[0] != name) + tuple(
                 hop for hop in self.chain if hop[0] == name)
             for other in running:

@@ -4,8 +4,11 @@ For each session (the files one set of nodes all need, and the chain over exactl
 the relay receives every file from the nearest live node before it in the chain, or reads it
 from the NAS when it is the head or no upstream is left. Every chunk's key (keys.chunk_mac) is
 checked before the chunk is written or passed on. The file lands through the executor's own
-check-and-rename (execute.land_verified: sampled against the NAS before the rename), so nothing
-a peer sends reaches a final name unverified.
+check-and-rename (execute.land_verified), so nothing a peer sends reaches a final name
+unverified: the node that read the file from the NAS checks it against the NAS, as a copy from
+the NAS is checked, then sends its sample of the NAS file after the last chunk, keyed like one;
+each node downstream checks its copy against that sample (and forwards it) instead of reading
+the NAS again.
 
 Downstream nodes are served from what this relay has already written, never from its receive
 buffers: a slow or dead downstream cannot stall the relay's own receive, and a downstream can
@@ -26,7 +29,6 @@ import logging
 import os
 import posixpath
 import resource
-import secrets
 import socket
 import struct
 import threading
@@ -36,7 +38,7 @@ from pathlib import Path
 from stager.copier import DirectWriter, SourceChanged
 from stager.errors import CannotRun
 from stager.execute import land_verified, writable_dir
-from stager.fingerprint import Reference
+from stager.fingerprint import Digest, Reference, sampled_digest
 from stager.fleet.broadcast.keys import MAC_BYTES, Refused, admit, chunk_mac, join, mac_ok, recv_exact
 from stager.lock import HUB_LOCK, writer_lock
 from stager.observe import DigestCache
@@ -56,8 +58,11 @@ STALL_TIMEOUT = 15.0
 SESSION_WAIT = 30.0
 SEND_TIMEOUT = 60.0
 
-DATA, LOST, END = 1, 2, 3
+# SAMPLE follows a file's last chunk: the sample of the NAS file the node that read it took, once
+# its own check passed, keyed like a chunk at offset = the file's size. LOST there: no sample.
+DATA, LOST, END, SAMPLE = 1, 2, 3, 4
 FRAME = struct.Struct("<BIQI32s")  # kind, file id, offset, length, the head's chunk key
+SAMPLE_LIMIT = 256  # bytes: a sample's value is a 32-character hex digest
 REQUEST = struct.Struct("<IHI")  # session, length of the node name, number of files
 NO_MAC = bytes(MAC_BYTES)
 
@@ -78,6 +83,7 @@ class Session:
     number: int
     files: tuple[Share, ...]
     chain: tuple[tuple[str, str, int], ...]  # (node, host, port)
+    seed: int  # of every node's sampled checks in this run, so that one node's sample serves all
 
 
 class _Held:
@@ -89,6 +95,7 @@ class _Held:
         self.fd = -1  # a read descriptor of the temp file: it survives the rename
         self.macs: dict[int, bytes] = {}
         self.lost = False  # this node will not get the rest: downstream nodes look elsewhere
+        self.sample: str | None = None  # the NAS file's sample, once this node's copy passed its check
 
 
 class _Protocol(Exception):
@@ -193,8 +200,8 @@ class Relay:
             self.sessions[session.number] = files
             self.cond.notify_all()
         nas = open_source(self.nas_url, self.aliases)
-        feed = _Feed(self, session, files)
-        cache = DigestCache(nas, secrets.randbits(32))
+        cache = DigestCache(nas, session.seed)
+        feed = _Feed(self, session, files, cache)
         landed = 0
         try:
             for file_id, share in enumerate(session.files):
@@ -223,7 +230,11 @@ class Relay:
         copy = CopyFile(share.dest, share.source, share.size, meta.mtime_ns, Reference("blake3", None, "source copy"),
                         "broadcast")
         land_verified(copy, nas, self.hub, cache, False,
-                      lambda reader, out, hasher: feed.fill(file_id, reader, out, hasher))
+                      lambda reader, out, hasher: feed.fill(file_id, reader, out, hasher),
+                      vouched=lambda: feed.vouched.get(file_id))
+        with self.cond:
+            feed.files[file_id].sample = cache.sampled(share.source).value
+            self.cond.notify_all()
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -272,7 +283,10 @@ class Relay:
             return self.sessions.get(number)
 
     def _send_file(self, conn: socket.socket, file_id: int, held: _Held, offset: int, buffer) -> bool:
-        """Send the file from `offset` as this node gets it; False when this node is closing."""
+        """Send the file from `offset` as this node gets it, then its sample; nothing for a file
+        the downstream already holds whole. False when this node is closing."""
+        if offset >= held.size:
+            return True
         while offset < held.size:
             with self.cond:
                 while held.have <= offset and not held.lost and not self.closed:
@@ -291,16 +305,35 @@ class Relay:
             conn.sendall(FRAME.pack(DATA, file_id, offset, length, mac))
             conn.sendall(view)
             offset += length
+        return self._send_sample(conn, file_id, held)
+
+    def _send_sample(self, conn: socket.socket, file_id: int, held: _Held) -> bool:
+        """After a file's last chunk: its NAS sample once this node's own check has passed (LOST
+        if it failed), so the downstream need not sample the NAS itself. False when closing."""
+        with self.cond:
+            while held.sample is None and not held.lost and not self.closed:
+                self.cond.wait(1.0)
+            if self.closed:
+                return False
+            sample = held.sample
+        if sample is None:
+            conn.sendall(FRAME.pack(LOST, file_id, held.size, 0, NO_MAC))
+        else:
+            payload = sample.encode()
+            mac = chunk_mac(self._key, self._run_id, file_id, held.size, payload)
+            conn.sendall(FRAME.pack(SAMPLE, file_id, held.size, len(payload), mac) + payload)
         return True
 
 
 class _Feed:
     """Where this node's chunks come from: the nearest live upstream, else the NAS."""
 
-    def __init__(self, relay: Relay, session: Session, files: list[_Held]):
+    def __init__(self, relay: Relay, session: Session, files: list[_Held], cache: DigestCache):
         self.relay = relay
         self.session = session
         self.files = files
+        self.cache = cache
+        self.vouched: dict[int, Digest] = {}  # file id -> the sample its sender vouched for
         self.route = session.chain
         self.shunned: set[str] = set()  # upstreams that died, went silent or sent a bad chunk
         self.candidates = self._upstreams(session.chain)
@@ -315,16 +348,22 @@ class _Feed:
         self.used: list[str] = []
 
     def fill(self, file_id: int, reader, out, hasher) -> None:
-        """land_verified's fill: the file's chunks, each checked, written at its offset."""
+        """land_verified's fill: the file's chunks, each checked, written at its offset; then,
+        if every chunk came from peers, the sample the sender vouches for."""
         relay, held = self.relay, self.files[file_id]
         held.fd = os.open(f"/proc/self/fd/{out.fd}", os.O_RDONLY | os.O_CLOEXEC)
         writer = DirectWriter(out.fd)
+        from_nas = False
         try:
             while held.have < held.size:
                 offset = held.have
                 view = memoryview(self.buffer)[:min(CHUNK, held.size - offset)]
                 mac = self._from_peers(file_id, offset, view)
                 if mac is None:
+                    if not from_nas:
+                        # Before the first byte read from the NAS, as a copy from the NAS samples it.
+                        self.cache.remember(self.session.files[file_id].source, sampled_digest(reader, self.cache.seed))
+                        from_nas = True
                     if reader.readinto_at(view, offset) != len(view):
                         raise SourceChanged(errno.EIO, f"the NAS file ended before {held.size} bytes")
                     mac = chunk_mac(relay._key, relay._run_id, file_id, offset, view)
@@ -339,8 +378,38 @@ class _Feed:
                     held.have = offset + len(view)
                     relay.cond.notify_all()
                 view.release()
+            if not from_nas:
+                self._take_sample(file_id, held.size)
+        except BaseException:
+            self.close()  # what the upstream still sends for this file is of no use now
+            raise
         finally:
             writer.close()
+
+    def _take_sample(self, file_id: int, size: int) -> None:
+        """The SAMPLE frame that follows the file's last chunk on the same connection, checked by
+        its key. None of it (LOST, a silent or lost upstream): land_verified samples the NAS."""
+        if self.conn is None:
+            return
+        try:
+            kind, got_file, got_offset, length, mac = FRAME.unpack(recv_exact(self.conn, FRAME.size))
+            if kind == LOST and (got_file, got_offset) == (file_id, size):
+                return
+            if kind != SAMPLE or (got_file, got_offset) != (file_id, size) or length > SAMPLE_LIMIT:
+                raise _Protocol(f"sent frame {kind} for file {got_file} at {got_offset} where file {file_id}'s "
+                                f"sample was due")
+            payload = recv_exact(self.conn, length)
+        except (OSError, _Protocol) as exc:
+            log.warning("%s: no sample from %s (%s)", self.relay.node, self.upstream, _why(exc))
+            if isinstance(exc, _Protocol):
+                self.bad_senders.append(self.upstream)
+            self._drop()
+            return
+        if not mac_ok(chunk_mac(self.relay._key, self.relay._run_id, file_id, size, payload), mac):
+            self.bad_senders.append(self.upstream)
+            self._drop()
+            return
+        self.vouched[file_id] = Digest(f"sampled:{self.cache.seed}", size, payload.decode("ascii", "replace"))
 
     def _from_peers(self, file_id: int, offset: int, view: memoryview) -> bytes | None:
         """The chunk at `offset` into `view` from an upstream, checked; its key. None: read it
@@ -426,16 +495,16 @@ class _Feed:
                 + struct.pack(f"<{len(offsets)}Q", *offsets))
 
     def _drop(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-        self.conn = None
+        """Leave the current upstream for good (it died, went silent or sent a bad frame)."""
+        self.close()
         if self.candidates:
             self.shunned.add(self.candidates.pop(0)[0])
 
     def close(self) -> None:
+        """Hang up on the current upstream (a reconnect may ask it again)."""
         if self.conn is not None:
             self.conn.close()
-            self.conn = None
+        self.conn = None
 
 
 def _read_request(conn: socket.socket) -> tuple[int, list[int]]:
