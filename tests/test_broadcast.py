@@ -107,12 +107,13 @@ def relays(tmp_path: Path, nas: dict, key: bytes, run_id: bytes, names=("a", "b"
 
 
 def run_all(running: dict, session: Session) -> dict[str, dict]:
+    """Every relay's run of the session at once, each in a thread named after its node."""
     results: dict[str, dict] = {}
 
     def one(name):
         results[name] = running[name][0].run(session, True)
 
-    threads = [threading.Thread(target=one, args=(name,)) for name in running]
+    threads = [threading.Thread(target=one, args=(name,), name=name) for name in running]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -126,22 +127,25 @@ def assert_landed(tmp_path: Path, name: str, nas: dict) -> None:
         assert sha256(landed) == sha256(nas["root"] / share.source), (name, share.dest)
 
 
-def test_a_byte_flipped_on_the_wire_is_refused_the_sender_named_and_the_chunk_fetched_again(tmp_path, nas):
+def run_with_a_flip(tmp_path: Path, nas: dict, flip_at: int) -> dict[str, dict]:
+    """a -> (man in the middle, flipping the byte at `flip_at` of what a sends) -> b -> c."""
     key, run_id = mint()
     running = relays(tmp_path, nas, key, run_id)
-    # a -> (man in the middle) -> b -> c: the flip lands inside the first chunk's bytes.
-    middle = subprocess.Popen([sys.executable, "-c", MAN_IN_THE_MIDDLE, str(running["a"][1]), str(200_000)],
+    middle = subprocess.Popen([sys.executable, "-c", MAN_IN_THE_MIDDLE, str(running["a"][1]), str(flip_at)],
                               stdout=subprocess.PIPE, text=True)
     try:
-        middle_port = int(middle.stdout.readline())
-        chain = (("a", "127.0.0.1", middle_port), ("b", "127.0.0.1", running["b"][1]),
+        chain = (("a", "127.0.0.1", int(middle.stdout.readline())), ("b", "127.0.0.1", running["b"][1]),
                  ("c", "127.0.0.1", running["c"][1]))
-        results = run_all(running, Session(0, nas["files"], chain, 7))
+        return run_all(running, Session(0, nas["files"], chain, 7))
     finally:
         middle.kill()
         middle.wait()
         for relay, _ in running.values():
             relay.close()
+
+
+def test_a_byte_flipped_on_the_wire_is_refused_the_sender_named_and_the_chunk_fetched_again(tmp_path, nas):
+    results = run_with_a_flip(tmp_path, nas, 200_000)  # inside the first chunk's bytes
     total = sum(share.size for share in nas["files"])
     assert results["a"]["nas_bytes"] == total and results["a"]["bad_senders"] == []
     # b refused the bad chunk, named a, and (no other holder before it) read the rest from the NAS.
@@ -149,7 +153,7 @@ def test_a_byte_flipped_on_the_wire_is_refused_the_sender_named_and_the_chunk_fe
     assert results["b"]["peer_bytes"] == 0 and results["b"]["landed_files"] == 2
     assert results["c"] == {"peer_bytes": total, "nas_bytes": 0, "landed_files": 2, "fallbacks": [],
                             "bad_senders": [], "upstreams": ["b"]}
-    for name in running:
+    for name in results:
         assert_landed(tmp_path, name, nas)
         # Nothing but the landed files: no temp file left, the lock free.
         blobs = tmp_path / name / "hub" / "models--acme--m" / "blobs"
@@ -199,22 +203,12 @@ def test_only_the_node_that_reads_the_nas_samples_it_and_its_sample_is_keyed(tmp
     monkeypatch.setattr(relay_module, "open_source", lambda url, aliases: _CountingSource(
         real_open(url, aliases), tally, threading.current_thread().name))
 
-    def run_named(running, session):
-        results = {}
-        threads = [threading.Thread(target=lambda n=name: results.__setitem__(n, running[n][0].run(session, True)),
-                                    name=name) for name in running]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        return results
-
     total = sum(share.size for share in nas["files"])
     key, run_id = mint()
     running = relays(tmp_path / "clean", nas, key, run_id)
     try:
         chain = tuple((name, "127.0.0.1", running[name][1]) for name in ("a", "b", "c"))
-        results = run_named(running, Session(0, nas["files"], chain, 7))
+        results = run_all(running, Session(0, nas["files"], chain, 7))
     finally:
         for relay, _ in running.values():
             relay.close()
@@ -230,24 +224,12 @@ def test_only_the_node_that_reads_the_nas_samples_it_and_its_sample_is_keyed(tmp
     frame = relay_module.FRAME.size
     inside_sample = handshake + 3 * frame + big.size + frame + 5
     tally.clear()
-    key, run_id = mint()
-    running = relays(tmp_path / "flipped", nas, key, run_id)
-    middle = subprocess.Popen([sys.executable, "-c", MAN_IN_THE_MIDDLE, str(running["a"][1]), str(inside_sample)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        chain = (("a", "127.0.0.1", int(middle.stdout.readline())), ("b", "127.0.0.1", running["b"][1]),
-                 ("c", "127.0.0.1", running["c"][1]))
-        results = run_named(running, Session(0, nas["files"], chain, 7))
-    finally:
-        middle.kill()
-        middle.wait()
-        for relay, _ in running.values():
-            relay.close()
+    results = run_with_a_flip(tmp_path / "flipped", nas, inside_sample)
     assert results["b"]["bad_senders"] == ["a"] and results["b"]["landed_files"] == 2, results["b"]
     assert results["b"]["peer_bytes"] == total - nas["files"][1].size  # the small file: from the NAS
     assert tally.get("b", 0) > nas["files"][1].size, tally  # and the big file's sample, taken by b itself
     assert results["c"]["bad_senders"] == [] and "c" not in tally, (results["c"], tally)
-    for name in running:
+    for name in results:
         assert_landed(tmp_path / "flipped", name, nas)
 
 
