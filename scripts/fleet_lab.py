@@ -409,14 +409,20 @@ Subsystem sftp {sftp}
     def _corrupt_flag(self, member: Member) -> Path:
         return self.root / f"corrupt-{member.name}"
 
+    def _corrupting_site(self) -> Path:
+        """The directory on every node's PYTHONPATH holding CORRUPTING_SITE, written once."""
+        site = self.root / "corrupting-site"
+        if not site.is_dir():
+            site.mkdir()
+            (site / "sitecustomize.py").write_text(CORRUPTING_SITE)
+        return site
+
     def _ray_start(self, member: Member | None, argv: list[str], name: str) -> None:
         log = self.root / f"ray-start-{name}.log"
         env = self.ray_env()
         if member is not None:
-            site = self.root / "corrupting-site"
-            site.mkdir(exist_ok=True)
-            (site / "sitecustomize.py").write_text(CORRUPTING_SITE)
-            env.update({"PYTHONPATH": str(site), "STAGE_LAB_CORRUPT_FLAG": str(self._corrupt_flag(member))})
+            env.update({"PYTHONPATH": str(self._corrupting_site()),
+                        "STAGE_LAB_CORRUPT_FLAG": str(self._corrupt_flag(member))})
         with open(log, "wb") as out:
             proc = subprocess.run(self._in(member, argv), env=env, stdout=out, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, timeout=180, preexec_fn=self._enter_cgroup(member))

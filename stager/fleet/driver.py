@@ -205,7 +205,6 @@ def prune_options(command: str, prune: PruneOptions) -> tuple[str, ...]:
             + tuple(option for kind in prune.only for option in ("--only", kind)))
 
 
-
 @dataclass
 class Driver:
     ray: object
