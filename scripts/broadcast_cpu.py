@@ -20,10 +20,14 @@ from pathlib import Path
 
 from stager.fleet.broadcast.keys import chunk_mac, mint
 from stager.fleet.broadcast.relay import CHUNK, Relay, Session, Share
+from stager.observe import DigestCache
+from stager.sources import open_source
+
+SEED = 7  # of the sampled checks: one for the run, as the fleet's agents share it
 
 
 def node(name, root, nas, key, run_id, ports, chains, results, done):
-    relay = Relay(name, str(root / name / "hub"), str(nas), {}, ())
+    relay = Relay(name, str(root / name / "hub"), DigestCache(open_source(str(nas), {}), SEED), ())
     ports.put((name, relay.open("127.0.0.1", None, key, run_id)))
     session = chains.get()
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -65,7 +69,7 @@ def main() -> None:
     for proc in procs:
         proc.start()
     listening = dict(ports.get(timeout=60) for _ in names)
-    session = Session(0, (share,), tuple((n, "127.0.0.1", listening[n]) for n in names), 7)
+    session = Session(0, (share,), tuple((n, "127.0.0.1", listening[n]) for n in names))
     for queue in chains:
         queue.put(session)
     print(f"keyed BLAKE3 alone: {mac_per_gb:.2f} s CPU per GB")

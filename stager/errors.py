@@ -39,6 +39,17 @@ class CannotRun(StageError):
     exit_code = EXIT_CANNOT_RUN
 
 
+def ending(exc: Exception) -> tuple[int, str]:
+    """The exit code and the one-line message of an exception that ends a command: a StageError's
+    own, an OSError nobody mapped as CannotRun naming its path, anything else as an internal error
+    (the contract is one line, never a traceback)."""
+    if isinstance(exc, StageError):
+        return exc.exit_code, exc.message
+    if isinstance(exc, OSError):
+        return EXIT_CANNOT_RUN, describe_os_error(exc)
+    return EXIT_CANNOT_RUN, f"internal error: {type(exc).__name__}: {exc} (set STAGE_DEBUG=1 for the traceback)"
+
+
 def describe_os_error(exc: OSError) -> str:
     """One line for an OSError nobody mapped: what failed, on which path, and who needs access."""
     path = exc.filename if exc.filename is not None else exc.filename2

@@ -144,10 +144,16 @@ def preflight(plan: Plan, job: NodeJob) -> None:
 
 
 def mirror(job: NodeJob, *, full: bool, dry_run: bool, wait: float = 0,
-           progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> MirrorReport:
+           progress_factory: Callable[[int], Callable[[int], None]] | None = None,
+           digests: DigestCache | None = None) -> MirrorReport:
+    """`digests`: the source digests of a longer run on this node (a fleet node's agent, whose
+    relay has just checked the files it landed against the NAS with the same seed), so the
+    closing verify reuses them instead of sampling the NAS again. Its seed must be the job's."""
     started = time.monotonic()
     snapshots = walk(job)
-    cache = DigestCache(job.source, job.seed)
+    if digests is not None and digests.seed != job.seed:
+        raise ValueError("the shared digests were taken with another seed than the job's")
+    cache = digests or DigestCache(job.source, job.seed)
     report = MirrorReport(dry_run=dry_run, source=job.source.url)
     if dry_run:
         # The real run's plan, so that what it would write (and refuse) is counted alike.

@@ -17,8 +17,11 @@ import pytest
 from stager.fleet.broadcast.keys import mint
 from stager.fleet.broadcast.relay import CHUNK, Relay, Session, Share
 from stager.lock import HUB_LOCK
+from stager.observe import DigestCache
+from stager.sources import open_source
 
 MiB = 1024 * 1024
+SEED = 7
 
 # A real process between two relays: it forwards both ways and flips one byte of what the
 # upstream sends, once, at the given offset of the stream (past the handshake, inside a chunk),
@@ -98,10 +101,14 @@ def nas(tmp_path) -> dict:
     return {"root": root, "files": (files["big"], files["small"])}
 
 
-def relays(tmp_path: Path, nas: dict, key: bytes, run_id: bytes, names=("a", "b", "c")) -> dict[str, tuple]:
+def relays(tmp_path: Path, nas: dict, key: bytes, run_id: bytes, names=("a", "b", "c"),
+           nas_for=lambda name, source: source) -> dict[str, tuple]:
+    """A relay per name, each with its own view of the NAS (`nas_for` may wrap it) and digests
+    sampled with the run's seed, as each node's agent gives its relay."""
     out = {}
     for name in names:
-        relay = Relay(name, str(tmp_path / name / "hub"), str(nas["root"]), {}, ())
+        digests = DigestCache(nas_for(name, open_source(str(nas["root"]), {})), SEED)
+        relay = Relay(name, str(tmp_path / name / "hub"), digests, ())
         out[name] = (relay, relay.open("127.0.0.1", None, key, run_id))
     return out
 
@@ -127,16 +134,16 @@ def assert_landed(tmp_path: Path, name: str, nas: dict) -> None:
         assert sha256(landed) == sha256(nas["root"] / share.source), (name, share.dest)
 
 
-def run_with_a_flip(tmp_path: Path, nas: dict, flip_at: int) -> dict[str, dict]:
+def run_with_a_flip(tmp_path: Path, nas: dict, flip_at: int, **options) -> dict[str, dict]:
     """a -> (man in the middle, flipping the byte at `flip_at` of what a sends) -> b -> c."""
     key, run_id = mint()
-    running = relays(tmp_path, nas, key, run_id)
+    running = relays(tmp_path, nas, key, run_id, **options)
     middle = subprocess.Popen([sys.executable, "-c", MAN_IN_THE_MIDDLE, str(running["a"][1]), str(flip_at)],
                               stdout=subprocess.PIPE, text=True)
     try:
         chain = (("a", "127.0.0.1", int(middle.stdout.readline())), ("b", "127.0.0.1", running["b"][1]),
                  ("c", "127.0.0.1", running["c"][1]))
-        return run_all(running, Session(0, nas["files"], chain, 7))
+        return run_all(running, Session(0, nas["files"], chain))
     finally:
         middle.kill()
         middle.wait()
@@ -192,23 +199,23 @@ class _CountingReader:
         return getattr(self.reader, attribute)
 
 
-def test_only_the_node_that_reads_the_nas_samples_it_and_its_sample_is_keyed(tmp_path, nas, monkeypatch):
+def test_only_the_node_that_reads_the_nas_samples_it_and_its_sample_is_keyed(tmp_path, nas):
     """a -> b -> c: a reads every byte and samples the NAS; b and c check their copies against
     the sample a sends after each file and read nothing from the NAS. Then a byte of that sample
     is flipped on the wire to b: b refuses it, names a, and samples the NAS itself."""
     from stager.fleet.broadcast import keys, relay as relay_module
 
     tally: dict[str, int] = {}
-    real_open = relay_module.open_source
-    monkeypatch.setattr(relay_module, "open_source", lambda url, aliases: _CountingSource(
-        real_open(url, aliases), tally, threading.current_thread().name))
+
+    def counted(name, source):
+        return _CountingSource(source, tally, name)
 
     total = sum(share.size for share in nas["files"])
     key, run_id = mint()
-    running = relays(tmp_path / "clean", nas, key, run_id)
+    running = relays(tmp_path / "clean", nas, key, run_id, nas_for=counted)
     try:
         chain = tuple((name, "127.0.0.1", running[name][1]) for name in ("a", "b", "c"))
-        results = run_all(running, Session(0, nas["files"], chain, 7))
+        results = run_all(running, Session(0, nas["files"], chain))
     finally:
         for relay, _ in running.values():
             relay.close()
@@ -224,7 +231,7 @@ def test_only_the_node_that_reads_the_nas_samples_it_and_its_sample_is_keyed(tmp
     frame = relay_module.FRAME.size
     inside_sample = handshake + 3 * frame + big.size + frame + 5
     tally.clear()
-    results = run_with_a_flip(tmp_path / "flipped", nas, inside_sample)
+    results = run_with_a_flip(tmp_path / "flipped", nas, inside_sample, nas_for=counted)
     assert results["b"]["bad_senders"] == ["a"] and results["b"]["landed_files"] == 2, results["b"]
     assert results["b"]["peer_bytes"] == total - nas["files"][1].size  # the small file: from the NAS
     assert tally.get("b", 0) > nas["files"][1].size, tally  # and the big file's sample, taken by b itself
@@ -241,7 +248,7 @@ def test_strangers_are_refused_before_any_data_and_logged(tmp_path, nas):
         strangers = [subprocess.run([sys.executable, "-c", STRANGER, str(port), kind], capture_output=True, text=True,
                                     timeout=60) for kind in ("no-key", "wrong-key")]
         chain = tuple((name, "127.0.0.1", running[name][1]) for name in ("a", "b"))
-        results = run_all(running, Session(0, nas["files"], chain, 7))
+        results = run_all(running, Session(0, nas["files"], chain))
     finally:
         refused = running["a"][0].close()["refused"]
         running["b"][0].close()
@@ -261,7 +268,7 @@ def test_a_downstream_whose_upstream_dies_resumes_from_the_next_holder(tmp_path,
     dead_relay.close()
     chain = (("a", "127.0.0.1", running["a"][1]), ("b", "127.0.0.1", dead_port), ("c", "127.0.0.1", running["c"][1]))
     try:
-        results = run_all(running, Session(0, nas["files"], chain, 7))
+        results = run_all(running, Session(0, nas["files"], chain))
     finally:
         for relay, _ in running.values():
             relay.close()
@@ -289,7 +296,7 @@ def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_pat
         results: dict[str, dict] = {}
 
         def one(name, chain):
-            results[name] = running[name][0].run(Session(0, nas["files"], chain, 7), True)
+            results[name] = running[name][0].run(Session(0, nas["files"], chain), True)
             finished[name] = time.monotonic()
 
         started = time.monotonic()

@@ -474,7 +474,7 @@ def relay_pid(hub: Path) -> int | None:
         title = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return None
-    return pid if title.startswith(b"ray::Relay") else None
+    return pid if title.startswith(b"ray::NodeAgent") else None
 
 
 def test_a_relay_killed_mid_run_is_routed_around_and_a_rerun_converges(cluster, staged, nas, sshd, tmp_path):

@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from stager import hints
-from stager.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN, BadInput, StageError, describe_os_error
+from stager.errors import EXIT_BAD_INPUT, BadInput, StageError, ending
 from stager.manifest import MAX_TP  # the manifest's bound on world, ranks and layers
 
 _HELP_NAMES = ["-h", "--help"]
@@ -183,12 +183,10 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
 
             terminal.discard(sys.stderr)
         return EXIT_BAD_INPUT, None, exc.format_message()
-    except StageError as exc:
-        message = _naming_the_default_manifest(exc.message)
-        return exc.exit_code, f"error: {message}", message
-    except OSError as exc:  # not mapped by the core: name the path and what the operator can do
-        message = _naming_the_default_manifest(describe_os_error(exc))
-        return EXIT_CANNOT_RUN, f"error: {message}", message
+    except (StageError, OSError) as exc:  # an OSError not mapped by the core names its path
+        code, message = ending(exc)
+        message = _naming_the_default_manifest(message)
+        return code, f"error: {message}", message
     except SystemExit as exc:
         if _stdout_closed_under_typer():
             return 128 + signal.SIGPIPE, None, None
@@ -196,8 +194,8 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
     except Exception as exc:  # noqa: BLE001 - the contract is one line, never a traceback
         if os.environ.get("STAGE_DEBUG"):
             raise
-        message = f"internal error: {type(exc).__name__}: {exc} (set STAGE_DEBUG=1 for the traceback)"
-        return EXIT_CANNOT_RUN, message, message
+        code, message = ending(exc)
+        return code, message, message
 
 
 def _naming_the_default_manifest(message: str) -> str:

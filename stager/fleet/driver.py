@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field, replace
 
 from stager.errors import EXIT_CANNOT_RUN, EXIT_OK, BadInput
 from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
-from stager.fleet.node import LABEL, node_argv, run_on_node
+from stager.fleet.node import LABEL, LOCK_WAIT, node_argv, run_on_node
 from stager.fleet.report import BYTES_KEY, STATUS, Delivery, FleetReport, NodeRun, unreachable
 from stager.manifest import Manifest
 
@@ -31,8 +33,6 @@ from stager.manifest import Manifest
 LIVENESS_INTERVAL = 2.0
 
 TRANSPORTS = ("broadcast", "sftp", "nas")
-# The closing mirrors may find a relay's lock still held for a moment while Ray kills its actor.
-LOCK_WAIT = "30"
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,16 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
 
             runs = stage_by_tree(driver, names)
         elif transport == "broadcast":
-            driver.options = ("--wait", LOCK_WAIT)
+            driver.options = ("--wait", f"{LOCK_WAIT:g}")
             delivered = broadcast_shared(driver, names, port_range)
             runs = driver.all_at_once([name for name in names if name not in driver.started()])
+            for name, why in driver.replaced.items():
+                got = delivered.setdefault(name, {})
+                got["error"] = got.get("error") or why
         else:
             runs = driver.all_at_once(names)
     finally:
+        driver.end_agents()
         ray.shutdown()
     return address, auth, runs, delivered
 
@@ -133,9 +137,12 @@ def parse_ports(ports: str | None) -> tuple[int, int] | None:
 
 
 def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] | None) -> dict[str, dict]:
-    """The files two or more nodes need, moved by the broadcast: relays start on the nodes that
-    can take part while every node makes its plan (a dry run). The broadcast gets the deadline
-    less a share kept for the closing mirrors."""
+    """The files two or more nodes need, moved by the broadcast. Each node that can take part gets
+    an agent (agent.py) that opens its relay while it makes the node's plan (a dry run), and runs
+    the node's closing mirror as soon as the relay has received its last file; the other nodes
+    run their own mirror at once. The broadcast gets the deadline less a share kept for the
+    closing mirrors."""
+    from stager.fleet.agent import start_agents
     from stager.fleet.broadcast.chain import broadcast
     from stager.fleet.needs import shared_files
 
@@ -143,19 +150,24 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
     present = driver.present(names)
     # Who can take part: an address to listen on, and the NAS itself as source (see needs.py).
     able = [name for name in present if manifest.nodes[name].address and manifest.source_for(name) == manifest.nas.hub]
-    planner = Driver(driver.ray, manifest, "mirror", driver.deadline, driver.timeout, ("--dry-run",))
     if len(able) < 2:
         return {}
+    for name in present:
+        if name not in able:
+            driver.launch(name)
+    # One seed for the run: every node samples the same regions, so one node's sample serves all.
+    driver.agents = start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32))
 
     def plan():
-        plans = planner.all_at_once(present)
-        return shared_files(manifest, {name: plans[name] for name in present if name in plans})
+        refs = {name: driver.agents[name].plan.remote(driver.budget()) for name in able}
+        plans = {name: driver.collect(ref, name, None) for name, ref in refs.items()}
+        return shared_files(manifest, plans)
 
     reserve = min(300.0, 0.3 * driver.timeout)
     # Each node's closing mirror starts as soon as its relay has its last file: a slow node at the
     # chain's tail once held back every other node's refs until it was done.
-    return broadcast(driver.ray, manifest, able, plan, deadline=driver.deadline - reserve, ports=ports,
-                     done=driver.launch)
+    return broadcast(driver.ray, manifest, driver.agents, plan, deadline=driver.deadline - reserve, ports=ports,
+                     done=driver.finish)
 
 
 def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: dict | None) -> NodeRun:
@@ -171,7 +183,7 @@ def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: d
         transport, peer_bytes=int(got.get("peer_bytes", 0)) + (0 if from_nas else copied),
         nas_bytes=int(got.get("nas_bytes", 0)) + (copied if from_nas else 0), fallbacks=tuple(fallbacks),
         bad_senders=tuple(got.get("bad_senders") or ()), refused=tuple(got.get("refused") or ()),
-        moved_to_tail=bool(got.get("moved_to_tail"))))
+        moved_to_tail=bool(got.get("moved_to_tail")), relay_cpu_seconds=got.get("relay_cpu_seconds")))
 
 
 def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:
@@ -213,8 +225,10 @@ class Driver:
     deadline: float
     timeout: float
     options: tuple[str, ...] = ()
-    running: dict = field(default_factory=dict)  # ObjectRef -> (node, source override)
+    running: dict = field(default_factory=dict)  # ObjectRef -> (node, source override, its agent or None)
     runs: dict[str, NodeRun] = field(default_factory=dict)
+    agents: dict = field(default_factory=dict)  # node -> its broadcast agent (agent.py), for this run
+    replaced: dict[str, str] = field(default_factory=dict)  # node -> why its agent's part fell back to a task
 
     def __post_init__(self):
         self.task = self.ray.remote(num_cpus=0, max_retries=0)(run_on_node)
@@ -230,17 +244,32 @@ class Driver:
                 self.runs[name] = unreachable(name, f"no live Ray node is labelled {LABEL}={name}")
         return [name for name in names if name in labelled]
 
+    def budget(self) -> float:
+        """The time a node's command may take: a little less than what is left, so that it can
+        still say "timed out" (alive but slow) rather than be counted as silent."""
+        return max(1.0, self.left() - min(5.0, 0.1 * self.timeout))
+
     def launch(self, node: str, source: str | None = None) -> None:
         argv = node_argv(self.manifest, self.command, node, source, self.options)
-        # The node stops its command a little before the deadline, so it can still say "timed out"
-        # (alive but slow) rather than be counted as silent.
-        budget = max(1.0, self.left() - min(5.0, 0.1 * self.timeout))
-        ref = self.task.options(label_selector={LABEL: node}, name=f"stage {self.command} {node}").remote(argv, budget)
-        self.running[ref] = (node, source)
+        ref = self.task.options(label_selector={LABEL: node}, name=f"stage {self.command} {node}").remote(
+            argv, self.budget())
+        self.running[ref] = (node, source, None)
+
+    def finish(self, node: str) -> None:
+        """The node's closing mirror, in its agent (which shares the relay's NAS samples)."""
+        agent = self.agents[node]
+        self.running[agent.finish.remote(self.budget())] = (node, None, agent)
 
     def started(self) -> set[str]:
         """The nodes whose command was launched, or that were found unreachable."""
-        return {node for node, _source in self.running.values()} | set(self.runs)
+        return {node for node, _source, _agent in self.running.values()} | set(self.runs)
+
+    def end_agents(self) -> None:
+        """No agent outlives the run: one still running a command past the deadline is ended
+        with it (a mirror killed at any point leaves only temp files, which the next sweeps)."""
+        for agent in self.agents.values():
+            self.ray.kill(agent, no_restart=True)
+        self.agents.clear()
 
     def live_labels(self) -> set[str]:
         return {node.get("Labels", {}).get(LABEL) for node in self.ray.nodes() if node.get("Alive")}
@@ -250,8 +279,14 @@ class Driver:
         while self.running and self.left() > 0:
             ready, _ = self.ray.wait(list(self.running), num_returns=1, timeout=min(LIVENESS_INTERVAL, self.left()))
             if ready:
-                node, source = self.running.pop(ready[0])
+                node, source, agent = self.running.pop(ready[0])
                 run = self.collect(ready[0], node, source)
+                if agent is not None and run.status == "unreachable" and node in self.live_labels():
+                    # The agent died (kill -9, OOM) on a live node: the node-local command does its part.
+                    self.ray.kill(agent, no_restart=True)
+                    self.replaced[node] = f"relay failed: the node's agent died ({run.error})"
+                    self.launch(node)
+                    continue
                 self.runs[node] = run
                 return run
             lost = self.lost_node()
@@ -267,10 +302,10 @@ class Driver:
             live = self.live_labels()
         except Exception:  # noqa: BLE001 - the GCS did not answer this once: look again next interval
             return None
-        for ref, (node, source) in list(self.running.items()):
+        for ref, (node, source, agent) in list(self.running.items()):
             if node not in live:
                 del self.running[ref]
-                self.ray.cancel(ref, force=True)
+                self._cancel(ref, agent, force=True)
                 self.runs[node] = unreachable(node, f"its Ray node ({LABEL}={node}) left the cluster during the run",
                                               source)
                 return self.runs[node]
@@ -308,10 +343,18 @@ class Driver:
 
     def give_up(self) -> None:
         """At the deadline: cancel what is still running (its command is killed on the node)."""
-        for ref, (node, source) in self.running.items():
-            self.ray.cancel(ref)
+        for ref, (node, source, agent) in self.running.items():
+            self._cancel(ref, agent)
             self.runs[node] = unreachable(node, f"no answer within {self.timeout:g}s", source)
         self.running.clear()
+
+    def _cancel(self, ref, agent, *, force: bool = False) -> None:
+        """Stop a node's command: a task is cancelled (its command killed on the node); an agent's
+        is ended with the agent (Ray cannot cancel a running call of a threaded actor)."""
+        if agent is None:
+            self.ray.cancel(ref, force=force)
+        else:
+            self.ray.kill(agent, no_restart=True)
 
     def all_at_once(self, names: list[str]) -> dict[str, NodeRun]:
         for node in self.present(names):

@@ -13,6 +13,8 @@ from stager.manifest import Manifest
 
 # The Ray node label that carries a node's manifest name: how a task finds its node.
 LABEL = "stage-node"
+# A closing mirror may find the hub's lock still held for a moment by the node's relay.
+LOCK_WAIT = 30.0
 KILL_GRACE = 10.0
 PR_SET_PDEATHSIG = 1
 

@@ -30,11 +30,15 @@ class Delivery:
     bad_senders: tuple[str, ...] = ()
     refused: tuple[str, ...] = ()
     moved_to_tail: bool = False  # it fell behind its upstream, and the chain was reordered around it
+    # The CPU its relay's threads used (receive, check, write, serve), so that a relay's cost per
+    # GB can be told apart from its node's process starts and walks; None without a relay.
+    relay_cpu_seconds: float | None = None
 
     def to_json(self) -> dict:
         return {"transport": self.transport, "peer_bytes": self.peer_bytes, "nas_bytes": self.nas_bytes,
                 "fallbacks": list(self.fallbacks), "bad_senders": list(self.bad_senders),
-                "refused_connections": list(self.refused), "moved_to_tail": self.moved_to_tail}
+                "refused_connections": list(self.refused), "moved_to_tail": self.moved_to_tail,
+                "relay_cpu_seconds": self.relay_cpu_seconds}
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,19 @@
-"""The driver's side of the broadcast: one relay per node (a Ray actor pinned to it), one chain
-per session, and what each node got from where.
+"""The driver's side of the broadcast: one relay per node (inside the node's agent, a Ray actor
+pinned to it), one chain per session, and what each node got from where.
 
-The driver hands this module the sessions it decided on (which files, for which nodes); the
-chain only moves and checks bytes. Every wait is bounded: a relay that cannot start, dies or
-outlives the broadcast's share of the deadline is killed, and what it did not land is copied
-from the NAS by the node's closing `stage mirror`.
+The driver hands this module the agents and the sessions it decided on (which files, for which
+nodes); the chain only moves and checks bytes. Every wait is bounded: a relay that cannot start,
+dies or outlives the broadcast's share of the deadline is killed, and what it did not land is
+copied from the NAS by the node's closing `stage mirror`.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Callable
 
 from stager.fleet.broadcast.keys import mint
-from stager.fleet.broadcast.relay import CHUNK, Relay, Session, Share
-from stager.fleet.node import LABEL
+from stager.fleet.broadcast.relay import CHUNK, Session, Share
 from stager.manifest import Manifest
 
 OPEN_TIMEOUT = 60.0
@@ -42,29 +40,23 @@ def bind_host(address: str) -> str:
     return host.split(":", 1)[0] if host.count(":") == 1 else host
 
 
-def broadcast(ray, manifest: Manifest, nodes: list[str],
+def broadcast(ray, manifest: Manifest, relays: dict,
               plan: Callable[[], list[tuple[tuple[str, ...], tuple[Share, ...]]]], *,
               deadline: float, ports: tuple[int, int] | None, done: Callable[[str], None]) -> dict[str, dict]:
-    """Start a relay on each of `nodes`, then (while they start) ask `plan` for the sessions, then
-    run every session's chain. Returns per node {peer_bytes, nas_bytes, landed_files, fallbacks,
-    bad_senders, refused, error}. The key and run id are minted here and go to the relays as
-    arguments of `open`, over Ray's authenticated channel, and nowhere else.
+    """Open the relays of the nodes in `relays` (Ray actors pinned to them, offering the relay's
+    calls), then (while they open) ask `plan` for the sessions, then run every session's chain.
+    Returns per node {peer_bytes, nas_bytes, landed_files, fallbacks, bad_senders, refused,
+    relay_cpu_seconds, error}. The key and run id are minted here and go to the relays as arguments of `open`, over
+    Ray's authenticated channel, and nowhere else.
 
-    `done(name)` is called as soon as a node has received its last session: its relay has let go
-    of the hub's lock by then (it goes on serving its downstream from what it wrote), so the
-    node's own closing mirror can run while slower nodes still receive."""
+    `done(name)` is called as soon as a node has no more to receive: its relay has let go of the
+    hub's lock by then (it goes on serving its downstream from what it wrote), so the node's own
+    closing mirror can run while slower nodes still receive. A node in no chain is done at once."""
     key, run_id = mint()
+    nodes = list(relays)
     stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "fallbacks": [], "bad_senders": [],
                     "refused": [], "error": None} for name in nodes}
-    actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=32)(Relay)
-    relays = {}
-    for name in nodes:
-        config = manifest.nodes[name]
-        relays[name] = actor.options(label_selector={LABEL: name}, name=f"stage broadcast {name}").remote(
-            name, config.hub, manifest.nas.hub, dict(manifest.nas.aliases),
-            tuple(manifest.local_sources([manifest.nas.hub])))
     try:
-        # The relays start (a Ray worker each) while the nodes make their plans.
         opening = {name: relays[name].open.remote(bind_host(manifest.nodes[name].address), ports, key, run_id)
                    for name in nodes}
         sessions = plan()
@@ -79,14 +71,17 @@ def broadcast(ray, manifest: Manifest, nodes: list[str],
         chains = [tuple((name, bind_host(manifest.nodes[name].address), listening[name])
                         for name in members if name in listening) for members, _files in sessions]
         # One node left of a chain reads the NAS itself, in its mirror.
-        seed = secrets.randbits(32)
-        runs = [Session(number, files, chain, seed) for number, ((_, files), chain) in enumerate(zip(sessions, chains))
+        runs = [Session(number, files, chain) for number, ((_, files), chain) in enumerate(zip(sessions, chains))
                 if len(chain) >= 2]
         last = {name: session.number for session in runs for name, _, _ in session.chain}
+        for name in nodes:
+            if name not in last:
+                _release(ray, {name: relays[name]}, stats)
+                done(name)
         for session in runs:
             _run_chain(ray, relays, session, stats, deadline, last, done)
     finally:
-        _close(ray, relays, stats)
+        _release(ray, relays, stats)
     return stats
 
 
@@ -179,16 +174,17 @@ def laggard(names: list[str], held: dict[str, int], rates: dict[str, float], pea
     return None
 
 
-def _close(ray, relays: dict, stats: dict[str, dict]) -> None:
-    """Close every relay (it releases the hub's lock), then kill its actor: no relay outlives the
-    broadcast, so the closing mirrors find the hubs free."""
+def _release(ray, relays: dict, stats: dict[str, dict]) -> None:
+    """Close the relays: each stops serving and lets go of the hub's lock (again, harmlessly, for
+    one that already did). A relay that is dead or does not answer is left to the driver, which
+    ends every agent when the run is over."""
     closing = {name: relay.close.remote() for name, relay in relays.items()}
     for name, ref in closing.items():
         try:
-            stats[name]["refused"] = ray.get(ref, timeout=CLOSE_TIMEOUT)["refused"]
-        except Exception:  # noqa: BLE001 - already dead or hung: killed below
+            closed = ray.get(ref, timeout=CLOSE_TIMEOUT)
+            stats[name]["refused"], stats[name]["relay_cpu_seconds"] = closed["refused"], closed["cpu_seconds"]
+        except Exception:  # noqa: BLE001 - already dead or hung
             pass
-        ray.kill(relays[name], no_restart=True)
 
 
 def _last_line(exc: BaseException) -> str:

@@ -43,7 +43,6 @@ from stager.fleet.broadcast.keys import MAC_BYTES, Refused, admit, chunk_mac, jo
 from stager.lock import HUB_LOCK, writer_lock
 from stager.observe import DigestCache
 from stager.plan import CopyFile
-from stager.sources import open_source
 from stager.sources.local import aligned_buffer
 
 log = logging.getLogger("stager.fleet.broadcast")
@@ -83,7 +82,6 @@ class Session:
     number: int
     files: tuple[Share, ...]
     chain: tuple[tuple[str, str, int], ...]  # (node, host, port)
-    seed: int  # of every node's sampled checks in this run, so that one node's sample serves all
 
 
 class _Held:
@@ -124,18 +122,22 @@ def listen(host: str, ports: tuple[int, int] | None) -> socket.socket:
 
 class Relay:
     """One node's relay for one fleet run. Built in the node's Ray actor; the key arrives with
-    `open`, as a Ray call's argument, and lives in this object only."""
+    `open`, as a Ray call's argument, and lives in this object only.
 
-    def __init__(self, node: str, hub: str, nas: str, aliases: dict[str, str], never_write: tuple[str, ...]):
+    `digests` reads the NAS and keeps what was sampled of it, with the run's one seed (every node
+    samples the same regions, so one node's sample of a file serves all): the node's closing
+    mirror, in the same process, checks against the samples the landing checks used."""
+
+    def __init__(self, node: str, hub: str, digests: DigestCache, never_write: tuple[str, ...]):
         self.node = node
         self.hub = Path(hub)
-        self.nas_url = nas
-        self.aliases = dict(aliases)
+        self.digests = digests
         self.never_write = tuple(never_write)
         self.cond = threading.Condition()
         self.sessions: dict[int, list[_Held]] = {}
         self.routes: dict[int, tuple] = {}  # session -> the chain as last rerouted by the driver
         self.refused: list[str] = []
+        self.cpu_seconds = 0.0  # of the threads that receive and serve, as each ends
         self.closed = False
         self.listener: socket.socket | None = None
         self._lock = contextlib.ExitStack()
@@ -173,7 +175,8 @@ class Relay:
             self.routes[number] = chain
 
     def close(self) -> dict:
-        """Stop serving, close every descriptor, release the lock. Returns who was refused."""
+        """Stop serving, close every descriptor, release the lock. Returns who was refused, and
+        the CPU seconds the relay's threads have used."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
@@ -187,7 +190,8 @@ class Relay:
                         held.fd = -1
         self._lock.close()
         self._key = b""
-        return {"refused": list(self.refused)}
+        with self.cond:
+            return {"refused": list(self.refused), "cpu_seconds": self.cpu_seconds}
 
     # ---- receiving ------------------------------------------------------------------------------
 
@@ -195,12 +199,12 @@ class Relay:
         """Receive and land every file of the session; returns what came from where. After this
         node's `last` session the hub's lock is let go: nothing more is written, and what was
         landed is served from the descriptors held open, so the node's closing mirror can start."""
+        started = _thread_cpu()
         files = [_Held(share.size) for share in session.files]
         with self.cond:
             self.sessions[session.number] = files
             self.cond.notify_all()
-        nas = open_source(self.nas_url, self.aliases)
-        cache = DigestCache(nas, session.seed)
+        nas, cache = self.digests.source, self.digests
         feed = _Feed(self, session, files, cache)
         landed = 0
         try:
@@ -217,6 +221,7 @@ class Relay:
             feed.close()
             if last:
                 self._lock.close()
+            self._count_cpu(started)
         return {"peer_bytes": feed.peer_bytes, "nas_bytes": feed.nas_bytes, "landed_files": landed,
                 "fallbacks": feed.fallbacks, "bad_senders": sorted(set(feed.bad_senders)),
                 "upstreams": feed.used}
@@ -251,7 +256,18 @@ class Relay:
             threading.Thread(target=self._serve, args=(conn, address), name="stage-broadcast-serve",
                              daemon=True).start()
 
+    def _count_cpu(self, started: float) -> None:
+        with self.cond:
+            self.cpu_seconds += _thread_cpu() - started
+
     def _serve(self, conn: socket.socket, address) -> None:
+        started = _thread_cpu()
+        try:
+            self._serve_one(conn, address)
+        finally:
+            self._count_cpu(started)
+
+    def _serve_one(self, conn: socket.socket, address) -> None:
         peer = f"{address[0]}:{address[1]}"
         with conn:
             try:
@@ -522,6 +538,11 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if not got:
             raise ConnectionError(f"the connection closed after {done} of {len(view)} bytes of a chunk")
         done += got
+
+
+def _thread_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _why(exc: BaseException) -> str:

@@ -1,0 +1,117 @@
+"""A node's part in one broadcast fleet mirror, from its plan to its closing mirror, in one process:
+a Ray actor pinned to the node (`num_cpus=0`) that makes the node's plan (the dry run), hosts its
+relay, and runs its closing `stage mirror`.
+
+Why one process: as `stage` commands of their own, the plan and the closing mirror cost every
+node two more interpreter starts, two more walks of the NAS, and a sample of every file read
+back from the NAS by every node, though its relay had just checked the file against a sample of
+the NAS taken with the same seed. On the namespace lab those fixed rounds, not the chain, made
+the fleet's time grow with N. Here the three share one DigestCache with the run's one seed.
+
+What is trusted: a NAS sample in that cache was read from the NAS in this run by this node, or
+by the fleet member that read the file's bytes from the NAS, whose sample arrived under the run's
+key (relay.py); nothing else is in it. The node-local contract is unchanged: each call answers
+what `stage mirror --node X --json` would have printed, with its exit code, in the shape of
+node.run_on_node's answer. An agent that cannot start or dies is replaced by that command run as
+a plain Ray task (driver.py): whatever fails falls back to the NAS for that node.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Callable
+
+from stager.errors import EXIT_OK, EXIT_PROBLEMS, ending
+from stager.fleet.broadcast.relay import Relay
+from stager.fleet.node import LABEL, LOCK_WAIT
+
+
+class NodeAgent:
+    """One node's agent for one fleet run. The broadcast calls the relay's methods through it
+    (open, run, progress, reroute, close); the driver calls `plan` and `finish`."""
+
+    def __init__(self, node: str, manifest_path: str, seed: int):
+        from stager import hints, mirror
+        from stager.manifest import load_manifest
+        from stager.observe import DigestCache
+
+        manifest = load_manifest(manifest_path)
+        hints.use_manifest(manifest_path)  # a `repair:` line in a report names the run's manifest
+        self.node = node
+        self.job = mirror.node_job(manifest, node, None, jobs=mirror.default_jobs(), seed=seed)
+        # The job's source is the NAS: only nodes that stage from the NAS itself take part.
+        self.digests = DigestCache(self.job.source, seed)
+        self.relay = Relay(node, manifest.nodes[node].hub, self.digests, self.job.never_write)
+
+    # ---- the node-local command, in this process -------------------------------------------------
+
+    def plan(self, budget: float) -> dict:
+        """`stage mirror --dry-run`: what this node would copy, and why."""
+        from stager.mirror import mirror
+
+        return _answer(lambda: mirror(self.job, full=False, dry_run=True, digests=self.digests), budget)
+
+    def finish(self, budget: float) -> dict:
+        """The closing `stage mirror`, once the relay has let go of the hub's lock: what the
+        broadcast landed is found present and checked; the rest comes from the NAS; links,
+        metadata and, last, the refs are written; all is verified against the NAS's samples."""
+        from stager.mirror import mirror
+
+        return _answer(lambda: mirror(self.job, full=False, dry_run=False, wait=LOCK_WAIT, digests=self.digests),
+                       budget)
+
+    # ---- the broadcast's calls, to the relay ------------------------------------------------------
+
+    def open(self, host: str, ports: tuple[int, int] | None, key: bytes, run_id: bytes) -> int:
+        return self.relay.open(host, ports, key, run_id)
+
+    def run(self, session, last: bool) -> dict:
+        return self.relay.run(session, last)
+
+    def progress(self, number: int) -> int:
+        return self.relay.progress(number)
+
+    def reroute(self, number: int, chain) -> None:
+        self.relay.reroute(number, chain)
+
+    def close(self) -> dict:
+        return self.relay.close()
+
+
+def start_agents(ray, manifest_path: str, names: list[str], seed: int) -> dict:
+    """An agent on each named node, pinned by its label. Creation returns at once; an agent that
+    cannot start shows when it is first called."""
+    actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=32)(NodeAgent)
+    return {name: actor.options(label_selector={LABEL: name}, name=f"stage fleet agent {name}").remote(
+        name, manifest_path, seed) for name in names}
+
+
+def _answer(command: Callable, budget: float) -> dict:
+    """The node-local command's answer: {code, stdout (its JSON), stderr (its error line),
+    seconds, host, timed_out}. At `budget` the answer is "timed out" while the command goes on;
+    the driver then ends the agent, and the command with it (a mirror killed at any point
+    leaves only temp files, which the next one sweeps)."""
+    started = time.monotonic()
+    answer: dict = {}
+
+    def work() -> None:
+        try:
+            report = command()
+        except Exception as exc:  # noqa: BLE001 - the node-local contract: an exit code and one line
+            code, message = ending(exc)
+            answer.update(code=code, stdout=json.dumps({"error": message, "exit_code": code}),
+                          stderr=f"stage: error: {message}\n")
+        else:
+            answer.update(code=EXIT_PROBLEMS if report.problems else EXIT_OK, stdout=json.dumps(report.to_json()),
+                          stderr="")
+
+    worker = threading.Thread(target=work, name="stage-fleet-command", daemon=True)
+    worker.start()
+    worker.join(max(0.1, budget))
+    timed_out = worker.is_alive()
+    if timed_out:
+        answer = {"code": None, "stdout": "", "stderr": ""}
+    return {**answer, "seconds": time.monotonic() - started, "host": socket.gethostname(), "timed_out": timed_out}
