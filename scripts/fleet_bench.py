@@ -14,6 +14,8 @@ order rotated by one each round, onto emptied node hubs, with `--nodes dgx1..dgx
   included); nas_read: what sftp-server read from the hub's files (its own log);
 - cpu: each node's CPU seconds (its cgroup's cpu.stat: raylet, workers and `stage` commands),
   less what the node burned idle over the same time (measured just before the run);
+- relay_cpu: the CPU of each relay that received from a peer: the broadcast's relay threads (the
+  fleet JSON's relay_cpu_seconds: receive, check, write, serve), the plain chain's relay process;
 - ok: every file of every node has the NAS file's SHA-256 (checked after the run).
 
 `chain` is a measurement baseline, not a transport: the NAS namespace streams the files in
@@ -153,7 +155,8 @@ def run_chain(lab: Lab, nodes: list[Member], chunk: int) -> dict:
     by_name = {p.name: lab.sha256[p.name] for p in files}
     ok = all(relay.returncode == 0 for relay in relays) and all(
         sha256(lab.staged_hub(m.name) / "chain" / name) == digest for m in nodes for name, digest in by_name.items())
-    return {"seconds": seconds, "nas_sent": sent.rx_bytes, "nas_read": None, "cpu": usage, "ok": ok, "code": 0}
+    return {"seconds": seconds, "nas_sent": sent.rx_bytes, "nas_read": None, "cpu": usage, "relay_cpu": usage,
+            "ok": ok, "code": 0}
 
 
 def sha256(path: Path) -> str | None:
@@ -210,8 +213,11 @@ def run_fleet_mirror(lab: Lab, transport: str, nodes: list[Member], timeout: flo
     survivors = [m.name for m in nodes if not kill or m.name != kill[0]]
     ok = all(lab.staged_digests(name) == lab.sha256 for name in survivors)
     node_seconds = {name: run.get("seconds") for name, run in (report or {}).get("nodes", {}).items()}
+    # Relays that received from a peer (not the head, whose NAS reads run in paramiko's thread).
+    relay_cpu = {name: run["relay_cpu_seconds"] for name, run in (report or {}).get("nodes", {}).items()
+                 if run.get("relay_cpu_seconds") is not None and run.get("peer_bytes")}
     return {"seconds": seconds, "nas_sent": sent.rx_bytes, "nas_read": sftp_read(lab) - read_before, "cpu": cpu,
-            "ok": ok, "code": proc.returncode, "node_seconds": node_seconds,
+            "relay_cpu": relay_cpu, "ok": ok, "code": proc.returncode, "node_seconds": node_seconds,
             "error": None if proc.returncode == 0 else err.strip().splitlines()[-3:]}
 
 
@@ -277,10 +283,12 @@ def summarize(results: dict) -> dict:
         out[key] = {}
         for n, runs in sorted(by_n.items(), key=lambda kv: int(kv[0])):
             seconds = statistics.median(r["seconds"] for r in runs)
-            relays = [cpu for r in runs for name, cpu in r["cpu"].items()]
+            nodes_cpu = [cpu for r in runs for name, cpu in r["cpu"].items()]
+            relays = [cpu for r in runs for name, cpu in (r.get("relay_cpu") or {}).items()]
             entry = {"runs": len(runs), "seconds": round(seconds, 2), "s_over_r": round(seconds / link_seconds, 3),
                      "nas_sent_per_s": round(statistics.median(r["nas_sent"] for r in runs) / data, 3),
-                     "cpu_s_per_gb": round(statistics.median(relays) / (data / GB), 2) if relays else None,
+                     "cpu_s_per_gb": round(statistics.median(nodes_cpu) / (data / GB), 2) if nodes_cpu else None,
+                     "relay_cpu_s_per_gb": round(statistics.median(relays) / (data / GB), 2) if relays else None,
                      "all_ok": all(r["ok"] for r in runs)}
             reads = [r["nas_read"] for r in runs if r.get("nas_read") is not None]
             if reads:
@@ -310,7 +318,8 @@ def markdown(results: dict) -> str:
             cells.append(f"{entry['seconds']:.1f} s ({entry['s_over_r']:.2f})" if entry else "")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     for label, field, fmt in (("NAS bytes sent / S", "nas_sent_per_s", "{:.2f}"),
-                              ("CPU per GB received, per node", "cpu_s_per_gb", "{:.1f} s")):
+                              ("CPU per GB received, per node", "cpu_s_per_gb", "{:.1f} s"),
+                              ("a relay's own CPU per GB received", "relay_cpu_s_per_gb", "{:.2f} s")):
         cells = []
         for key in keys:
             values = [summary[key][n][field] for n in counts if n in summary[key] and summary[key][n].get(field)
