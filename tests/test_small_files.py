@@ -54,6 +54,7 @@ REVIEWED = {
     ("prune.py", "sweep_payload", "os.open"): "O_NONBLOCK|O_NOFOLLOW, then S_ISREG through the descriptor; only flocked",
     ("execute.py", "land_verified", "source.open"): "a source's reader (sources/local.py, sftp.py)",
     ("fleet/broadcast/relay.py", "_Feed.fill", "os.open"): "/proc/self/fd/N of our own temp file, open already",
+    ("fleet/agent.py", "NodeAgent.open", "self.relay.open"): "the relay's listening sockets, no file",
     ("observe.py", "DigestCache._digest", "self.source.open"): "a source's reader",
     ("engram/checkpoint.py", "Checkpoint.open", "self.source.open"): "a source's reader",
     ("engram/checkpoint.py", "_header", "source.open"): "a source's reader",

@@ -2,7 +2,8 @@
 
 The rooms: `driver` decides which node runs what and collects what each reported; `cluster`
 joins the Ray cluster, and only one that refuses strangers; `node` is what runs inside a node's
-Ray task; `report` is the per-node outcome and the table; `sftp_tree` is the SFTP peer tree
+Ray task; `agent` is a broadcast node's actor for the run (its plan, relay and closing mirror in
+one process); `report` is the per-node outcome and the table; `sftp_tree` is the SFTP peer tree
 (--fan-out), and `broadcast/` the pipelined, keyed chain: transports, which move and check
 bytes; `needs` is the driver's decision of who needs which file.
 """
