@@ -121,12 +121,12 @@ def assert_every_byte_right(lab: Lab, nodes: list[str] | None = None) -> None:
         assert report["mode"] == "full" and report["problems"] == [] and report["ok"] == report["checked"] > 0, node
 
 
-def sample_allowance(lab: Lab, nodes: int) -> int:
+def sample_allowance(nodes: int) -> int:
     """What the nodes' closing sampled checks may read from the NAS, at most."""
     return nodes * (LAB_FILES + 1) * SAMPLE_BYTES_PER_FILE
 
 
-def broadcast_sample_allowance(lab: Lab, nodes: int) -> int:
+def broadcast_sample_allowance(nodes: int) -> int:
     """What a broadcast's checks may read from the NAS, at most: the head's two samples of each
     shard (before its read, and fresh after), and each node's own copy of the small files. The
     other nodes check the shards against the head's keyed sample, in the landing check and in

@@ -40,7 +40,7 @@ def test_direct_reads_share_the_nas_link_so_time_grows_with_n(lab):
     assert one.seconds >= link_seconds, (one.seconds, link_seconds)
     assert every.seconds / one.seconds >= 0.6 * len(nodes), (every.seconds, one.seconds)
     assert len(nodes) * data <= every.nas_read <= every.nas_sent
-    assert every.nas_sent <= WIRE_OVERHEAD * (len(nodes) * data + sample_allowance(lab, len(nodes)))
+    assert every.nas_sent <= WIRE_OVERHEAD * (len(nodes) * data + sample_allowance(len(nodes)))
     assert every.report["copied_from"] == {lab.nas_url: len(nodes) * data}
 
 
@@ -51,7 +51,7 @@ def test_the_sftp_tree_reads_the_nas_once(lab):
     tree = mirror(lab, "--transport", "sftp")
     assert tree.code == 0, tree.stderr
     assert_every_byte_right(lab)
-    assert data <= tree.nas_sent <= WIRE_OVERHEAD * (data + sample_allowance(lab, len(nodes)))
+    assert data <= tree.nas_sent <= WIRE_OVERHEAD * (data + sample_allowance(len(nodes)))
     peers = {f"sftp://root@{m.address}{lab.staged_hub(m.name)}" for m in lab.nodes.values()}
     sources = {run["source"] for run in tree.report["nodes"].values()}
     assert lab.nas_url in sources and sources - {lab.nas_url} <= peers and len(sources) >= 2
@@ -202,7 +202,7 @@ def test_the_broadcast_is_flat_in_n_reads_the_nas_once_and_refuses_a_stranger(la
     assert every.seconds / one_node.seconds <= FLAT_IN_N, (every.seconds, one_node.seconds)
     assert every.seconds <= one_node.seconds + (len(nodes) - 1) * link_seconds, (every.seconds, one_node.seconds)
     # The NAS's veth: S once, plus each node's sampled check.
-    assert data <= every.nas_sent <= WIRE_OVERHEAD * (1.02 * data + broadcast_sample_allowance(lab, len(nodes))), \
+    assert data <= every.nas_sent <= WIRE_OVERHEAD * (1.02 * data + broadcast_sample_allowance(len(nodes))), \
         every.nas
     # The stranger reached a relay port, got nothing but what a handshake may send first, and was
     # named by the node it knocked on.
