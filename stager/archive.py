@@ -47,7 +47,7 @@ from stager.hub import Problem
 from stager.identity import file_id, overlap, resolved, same_place, writers
 from stager.lock import ARCHIVE_LOCK, ENGRAM_LOCK, writer_lock
 from stager.mirror import free_bytes
-from stager.records import (MOVED_NAME, SUMS_NAME, append_journal, append_moved, drop_from_sums, moved_block,
+from stager.records import (MOVED_NAME, SUMS_NAME, append_journal, drop_from_sums, moved_block, moved_record,
                             read_journal, update_sums)
 from stager.sources.local import LocalReader
 from stager.units import format_size
@@ -690,11 +690,12 @@ class _Mover:
         gone = {os.path.normpath(p.file.path) for p in members}
         record = group / MOVED_NAME
         try:
-            append_moved(record, block)
-            self.moved_txt.add(str(record))
-            for directory in sorted({d for p in members for d in _between(p.file.path.parent, group)}):
-                record = directory / SUMS_NAME
-                drop_from_sums(record, gone)
+            with moved_record(record) as append:
+                append(block)
+                self.moved_txt.add(str(record))
+                for directory in sorted({d for p in members for d in _between(p.file.path.parent, group)}):
+                    record = directory / SUMS_NAME
+                    drop_from_sums(record, gone)
         except (OSError, CannotRun) as exc:
             reason = getattr(exc, "message", None) or exc.strerror or str(exc)
             for p in members:

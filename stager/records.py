@@ -10,10 +10,13 @@ otherwise have root copy its target's content into the record, or write into the
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from stager.atomic import atomic_write_bytes, fsync_dir, open_for_write
@@ -116,16 +119,20 @@ def _names_one_of(line: str, directory: Path, paths: set[str]) -> bool:
 
 def append_record(path: Path, data: bytes) -> None:
     """Append and fsync, never through a link. Appending, not rewriting, so two runs recording into
-    one file at once (two archives of one SRC into different DESTs) never drop each other's lines."""
+    one file at once never drop each other's lines."""
     fd = open_for_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        _append_and_sync(fd, data)
     finally:
         os.close(fd)
     fsync_dir(path.parent)
+
+
+def _append_and_sync(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
 
 
 def append_journal(path: Path, records: list[dict]) -> None:
@@ -168,12 +175,29 @@ def moved_block(*, destination: str, sums: str, host: str, time: str, files: lis
     return "\n".join(lines) + "\n"
 
 
-def append_moved(path: Path, block: str) -> None:
-    """Add one section to a MOVED.txt (the header first, in a new one); earlier sections, and notes
-    written by hand, stay as they are."""
-    before = read_record(path)
-    lead = MOVED_HEADER if not before else "\n" if before.endswith("\n") else "\n\n"
-    append_record(path, (lead + block).encode("utf-8", errors="surrogateescape"))
+@contextlib.contextmanager
+def moved_record(path: Path) -> Iterator[Callable[[str], None]]:
+    """Hold the MOVED.txt at `path` (created if missing) under an exclusive lock and yield a
+    function that adds one section to it (the header first, in a new one); earlier sections, and
+    notes written by hand, stay as they are.
+
+    Two archives of one source directory into different DESTs hold different DEST locks, so this
+    lock is what orders their records in the source: without it both read an empty MOVED.txt,
+    both wrote the header, and the two sections ran together into one. The caller rewrites the
+    SHA256SUMS files beside it while holding it, for the same reason."""
+    fd = open_for_write(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+        def append(block: str) -> None:
+            size = os.fstat(fd).st_size
+            lead = MOVED_HEADER if size == 0 else "\n" if os.pread(fd, 1, size - 1) == b"\n" else "\n\n"
+            _append_and_sync(fd, (lead + block).encode("utf-8", errors="surrogateescape"))
+            fsync_dir(path.parent)
+
+        yield append
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def journal_tail(path: Path, commit_event: str = "removed") -> tuple[dict | None, list[dict]]:

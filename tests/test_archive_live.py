@@ -203,6 +203,43 @@ def test_two_archives_of_one_directory_at_once_keep_both_moved_sections(tmp_path
         sha256sum_check(tmp_path / f"archive-{tag}")
 
 
+def _record_one_section(directory: Path, tag: str, gate: Path) -> None:
+    """One archive's recording step, in its own process: released with the other by `gate`."""
+    from stager.records import SUMS_NAME, drop_from_sums, moved_block, moved_record
+    while not gate.exists():
+        pass
+    block = moved_block(destination=f"/archive-{tag}", sums=f"/archive-{tag}/SHA256SUMS", host="h", time="t",
+                        files=[("0" * 64, 1, f"{tag}.bin", "copied")])
+    with moved_record(directory / "MOVED.txt") as append:
+        append(block)
+        drop_from_sums(directory / SUMS_NAME, {str(directory / f"{tag}.bin")})
+
+
+def test_two_runs_recording_in_one_directory_at_the_same_instant_keep_both_sections(tmp_path):
+    """The two-archives race at the instant it bites, repeated: two processes released together
+    each add a section to a new MOVED.txt and drop their own line from the SHA256SUMS beside it.
+    Both once read the empty file and wrote the header, running the sections into one; and a
+    SHA256SUMS rewritten from a copy read before the other run's rewrite brought its line back."""
+    import multiprocessing
+    fork = multiprocessing.get_context("fork")
+    for round_ in range(40):
+        directory = tmp_path / f"r{round_}"
+        directory.mkdir()
+        (directory / "SHA256SUMS").write_text(f"{'1' * 64}  a.bin\n{'2' * 64}  b.bin\n{'3' * 64}  kept.bin\n")
+        gate = directory / "go"
+        workers = [fork.Process(target=_record_one_section, args=(directory, tag, gate)) for tag in "ab"]
+        for worker in workers:
+            worker.start()
+        gate.touch()
+        for worker in workers:
+            worker.join(30)
+            assert worker.exitcode == 0
+        blocks = parse_moved((directory / "MOVED.txt").read_text())
+        assert sorted(block["destination"] for block in blocks) == ["/archive-a", "/archive-b"], round_
+        assert [list(block["entries"]) for block in blocks] in ([["a.bin"], ["b.bin"]], [["b.bin"], ["a.bin"]])
+        assert read_sums(directory / "SHA256SUMS") == {"kept.bin": "3" * 64}, round_
+
+
 def test_archived_tp2_shards_leave_the_engram_directory_verifiable(tmp_path):
     """Old TP2 shards archived out of an engram_dir that also holds the TP3 shards: the directory's
     SHA256SUMS still passes `sha256sum -c` (two "FAILED open or read" before), `stage verify`
