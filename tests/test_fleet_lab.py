@@ -12,13 +12,15 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from fleet_lab import MARK, NS_PREFIX, leftovers, present_runs, run
-from fleet_lab_fixtures import (WIRE_OVERHEAD, assert_every_byte_right, broadcast_sample_allowance,  # noqa: F401
-                                fleet, lab, lab_missing, mirror, sample_allowance)
+from fleet_lab_fixtures import (WIRE_OVERHEAD, FleetRun, assert_every_byte_right,  # noqa: F401
+                                broadcast_sample_allowance, fleet, lab, lab_missing, mirror, sample_allowance)
+from stager.fleet.driver import PING_TIMEOUT
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fleet_lab.py"
 pytestmark = pytest.mark.skipif(lab_missing() is not None, reason=lab_missing() or "")
@@ -186,13 +188,29 @@ print(json.dumps({{"knocks": knocks, "received": got}}))
         return json.loads(out)
 
 
-def test_the_broadcast_is_flat_in_n_reads_the_nas_once_and_refuses_a_stranger(lab, one_node):
-    data, nodes = lab.data_bytes, list(lab.nodes)
-    stranger = Stranger(lab, lab.nodes[nodes[1]])
-    every = broadcast(lab)
+@dataclass
+class CleanBroadcast:
+    run: FleetRun
+    knocked: dict  # what the stranger that knocked during it saw
+    landed: float  # seconds from its start to the last blob's final name on any node
+
+
+@pytest.fixture(scope="module")
+def clean_broadcast(lab) -> CleanBroadcast:
+    """One broadcast of every node onto empty hubs, with a stranger knocking on a relay's ports:
+    the flat-in-N test's run, and the quarter-rate test's reference time."""
+    stranger = Stranger(lab, lab.nodes[list(lab.nodes)[1]])
+    started = time.time()
+    run = broadcast(lab)
     knocked = stranger.finish()
-    assert every.code == 0, every.stderr
+    assert run.code == 0, run.stderr
     assert_every_byte_right(lab)
+    return CleanBroadcast(run, knocked, max(landed_at(lab, n, started) for n in lab.nodes))
+
+
+def test_the_broadcast_is_flat_in_n_reads_the_nas_once_and_refuses_a_stranger(lab, one_node, clean_broadcast):
+    data, nodes = lab.data_bytes, list(lab.nodes)
+    every, knocked = clean_broadcast.run, clean_broadcast.knocked
     report = every.report
     assert report["transport"] == "broadcast"
     shards = data - len(b'{"architectures": ["LabForCausalLM"]}')  # the config.json is each node's own copy
@@ -225,7 +243,7 @@ def test_a_corrupting_peer_is_refused_named_and_routed_around(lab):
     assert named == {nodes[0]}, run.report["nodes"]
 
 
-def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab):
+def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab, clean_broadcast):
     """kill -9 of everything in dgx2's namespace once it has received half the data: the others
     finish with every byte right, the table names dgx2, and after it comes back a re-run stages it."""
     data, nodes = lab.data_bytes, list(lab.nodes)
@@ -241,6 +259,7 @@ def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab):
         killed.set()
 
     threading.Thread(target=kill_half_way, daemon=True).start()
+    started = time.time()
     try:
         run = broadcast(lab, "--timeout", "150")
     finally:
@@ -249,19 +268,21 @@ def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab):
     survivors = [n for n in nodes if n != victim.name]
     assert run.code == 3 and run.report["nodes"][victim.name]["status"] == "unreachable", run.stderr
     assert all(run.report["nodes"][n]["status"] == "ok" for n in survivors), run.report["nodes"]
-    assert run.seconds < 100, run.seconds  # routed around within seconds, not at the deadline
+    # The others are routed around within seconds (1.2x is the target at 512 MiB; 3 s of slack
+    # for CI's 48 MiB), and the run ends once the dead node has failed to run a task of nothing,
+    # not when Ray's heartbeats give it up.
+    survivors_landed = max(landed_at(lab, n, started) for n in survivors)
+    assert survivors_landed <= 1.2 * clean_broadcast.landed + 3.0, (survivors_landed, clean_broadcast.landed)
+    assert run.seconds <= clean_broadcast.run.seconds + PING_TIMEOUT + 10, (run.seconds, clean_broadcast.run.seconds)
     assert_every_byte_right(lab, survivors)
     again = fleet(lab, "mirror", *BROADCAST, "--ports", f"{PORTS[0]}-{PORTS[1]}")
     assert again.code == 0, again.stderr
     assert_every_byte_right(lab)
 
 
-def test_a_node_at_a_quarter_of_the_rate_does_not_hold_the_others_back(lab):
+def test_a_node_at_a_quarter_of_the_rate_does_not_hold_the_others_back(lab, clean_broadcast):
     nodes = list(lab.nodes)
-    clean_start = time.time()
-    clean = broadcast(lab)
-    assert clean.code == 0, clean.stderr
-    clean_landed = max(landed_at(lab, n, clean_start) for n in nodes)
+    clean_landed = clean_broadcast.landed
     slow = nodes[1]  # in the middle of the manifest: the broadcast must not put it in the chain's way
     lab.reshape(slow, lab.config.rate_mbit / 4)
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import sys
@@ -31,6 +32,11 @@ from stager.manifest import Manifest
 
 # How often a wait for the nodes' commands looks whether their Ray nodes are still alive.
 LIVENESS_INTERVAL = 2.0
+# How long a node whose agent died has to run a task of nothing before it counts as gone. Ray
+# marks a dead node only once its heartbeats have been missed long enough (30 s and more), and
+# until then a task pinned to it waits: a node killed mid-broadcast held the whole fleet run
+# that long after every other node was done.
+PING_TIMEOUT = 10.0
 
 TRANSPORTS = ("broadcast", "sftp", "nas")
 
@@ -229,9 +235,11 @@ class Driver:
     runs: dict[str, NodeRun] = field(default_factory=dict)
     agents: dict = field(default_factory=dict)  # node -> its broadcast agent (agent.py), for this run
     replaced: dict[str, str] = field(default_factory=dict)  # node -> why its agent's part fell back to a task
+    pinging: dict = field(default_factory=dict)  # ObjectRef -> (node, answer by (monotonic), why its agent died)
 
     def __post_init__(self):
         self.task = self.ray.remote(num_cpus=0, max_retries=0)(run_on_node)
+        self.ping = self.ray.remote(num_cpus=0, max_retries=0)(_nothing)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -255,14 +263,27 @@ class Driver:
             argv, self.budget())
         self.running[ref] = (node, source, None)
 
-    def finish(self, node: str) -> None:
-        """The node's closing mirror, in its agent (which shares the relay's NAS samples)."""
+    def finish(self, node: str, gone: str | None = None) -> None:
+        """The node's closing mirror, in its agent (which shares the relay's NAS samples); if the
+        agent is `gone`, the node-local command, once the node shows it is alive (`replace`)."""
         agent = self.agents[node]
+        if gone is not None:
+            self.replace(node, agent, gone)
+            return
         self.running[agent.finish.remote(self.budget())] = (node, None, agent)
+
+    def replace(self, node: str, agent, why: str) -> None:
+        """The agent died (kill -9, OOM): if its node still runs a task of nothing within
+        PING_TIMEOUT, the node-local command does the agent's part (wait_one launches it); if not,
+        the node is unreachable. Asked at once, not when the driver next collects."""
+        self.ray.kill(agent, no_restart=True)
+        ref = self.ping.options(label_selector={LABEL: node}, name=f"stage fleet ping {node}").remote()
+        self.pinging[ref] = (node, time.monotonic() + PING_TIMEOUT, why)
 
     def started(self) -> set[str]:
         """The nodes whose command was launched, or that were found unreachable."""
-        return {node for node, _source, _agent in self.running.values()} | set(self.runs)
+        return ({node for node, _source, _agent in self.running.values()}
+                | {node for node, _by, _why in self.pinging.values()} | set(self.runs))
 
     def end_agents(self) -> None:
         """No agent outlives the run: one still running a command past the deadline is ended
@@ -276,22 +297,51 @@ class Driver:
 
     def wait_one(self) -> NodeRun | None:
         """The next node to finish (or found gone), or None at the deadline."""
-        while self.running and self.left() > 0:
-            ready, _ = self.ray.wait(list(self.running), num_returns=1, timeout=min(LIVENESS_INTERVAL, self.left()))
+        while (self.running or self.pinging) and self.left() > 0:
+            first_answer = min((by for _node, by, _why in self.pinging.values()), default=math.inf)
+            ready, _ = self.ray.wait([*self.running, *self.pinging], num_returns=1,
+                                     timeout=max(0.0, min(LIVENESS_INTERVAL, self.left(),
+                                                          first_answer - time.monotonic())))
+            if ready and ready[0] in self.pinging:
+                self.answered(ready[0])
+                continue
             if ready:
                 node, source, agent = self.running.pop(ready[0])
                 run = self.collect(ready[0], node, source)
                 if agent is not None and run.status == "unreachable" and node in self.live_labels():
-                    # The agent died (kill -9, OOM) on a live node: the node-local command does its part.
-                    self.ray.kill(agent, no_restart=True)
-                    self.replaced[node] = f"relay failed: the node's agent died ({run.error})"
-                    self.launch(node)
+                    self.replace(node, agent, run.error or "")
                     continue
                 self.runs[node] = run
                 return run
+            silent = self.silent_node()
+            if silent is not None:
+                return silent
             lost = self.lost_node()
             if lost is not None:
                 return lost
+        return None
+
+    def answered(self, ref) -> None:
+        """A ping came back: the node runs tasks, so its node-local command takes the agent's part."""
+        node, _by, why = self.pinging.pop(ref)
+        try:
+            self.ray.get(ref, timeout=1.0)
+        except Exception:  # noqa: BLE001 - the node went while it was asked
+            self.runs[node] = unreachable(node, f"its agent died ({why}) and its Ray node failed a task of nothing")
+            return
+        self.replaced[node] = f"relay failed: the node's agent died ({why})"
+        self.launch(node)
+
+    def silent_node(self) -> NodeRun | None:
+        """A node whose agent died and that ran no task of nothing within PING_TIMEOUT: unreachable."""
+        for ref, (node, by, why) in list(self.pinging.items()):
+            if time.monotonic() >= by:
+                del self.pinging[ref]
+                with contextlib.suppress(Exception):
+                    self.ray.cancel(ref, force=True)
+                self.runs[node] = unreachable(node, f"its agent died ({why}) and its Ray node ran nothing within "
+                                                    f"{PING_TIMEOUT:g}s")
+                return self.runs[node]
         return None
 
     def lost_node(self) -> NodeRun | None:
@@ -347,6 +397,11 @@ class Driver:
             self._cancel(ref, agent)
             self.runs[node] = unreachable(node, f"no answer within {self.timeout:g}s", source)
         self.running.clear()
+        for ref, (node, _by, why) in self.pinging.items():
+            with contextlib.suppress(Exception):
+                self.ray.cancel(ref, force=True)
+            self.runs[node] = unreachable(node, f"its agent died ({why}); no answer within {self.timeout:g}s")
+        self.pinging.clear()
 
     def _cancel(self, ref, agent, *, force: bool = False) -> None:
         """Stop a node's command: a task is cancelled (its command killed on the node); an agent's
@@ -363,3 +418,7 @@ class Driver:
             pass
         self.give_up()
         return self.runs
+
+
+def _nothing() -> None:
+    """The task `Driver.replace` runs to learn whether a node still runs tasks."""

@@ -42,16 +42,18 @@ def bind_host(address: str) -> str:
 
 def broadcast(ray, manifest: Manifest, relays: dict,
               plan: Callable[[], list[tuple[tuple[str, ...], tuple[Share, ...]]]], *,
-              deadline: float, ports: tuple[int, int] | None, done: Callable[[str], None]) -> dict[str, dict]:
+              deadline: float, ports: tuple[int, int] | None,
+              done: Callable[[str, str | None], None]) -> dict[str, dict]:
     """Open the relays of the nodes in `relays` (Ray actors pinned to them, offering the relay's
     calls), then (while they open) ask `plan` for the sessions, then run every session's chain.
     Returns per node {peer_bytes, nas_bytes, landed_files, fallbacks, bad_senders, refused,
     relay_cpu_seconds, error}. The key and run id are minted here and go to the relays as arguments of `open`, over
     Ray's authenticated channel, and nowhere else.
 
-    `done(name)` is called as soon as a node has no more to receive: its relay has let go of the
-    hub's lock by then (it goes on serving its downstream from what it wrote), so the node's own
-    closing mirror can run while slower nodes still receive. A node in no chain is done at once."""
+    `done(name, gone)` is called as soon as a node has no more to receive: its relay has let go of
+    the hub's lock by then (it goes on serving its downstream from what it wrote), so the node's own
+    closing mirror can run while slower nodes still receive. A node in no chain is done at once.
+    `gone` says why the node's agent is dead (Ray's word for it), None while it lives."""
     key, run_id = mint()
     nodes = list(relays)
     stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "fallbacks": [], "bad_senders": [],
@@ -61,13 +63,15 @@ def broadcast(ray, manifest: Manifest, relays: dict,
                    for name in nodes}
         sessions = plan()
         needed = {name for members, _ in sessions for name in members}
-        listening = {}
+        listening, gone = {}, {}
         for name, ref in opening.items():
             try:
                 listening[name] = ray.get(ref, timeout=max(1.0, min(OPEN_TIMEOUT, deadline - time.monotonic())))
             except Exception as exc:  # noqa: BLE001 - this node stages from the NAS instead
                 if name in needed:
                     stats[name]["error"] = f"relay did not start: {_last_line(exc)}"
+                if isinstance(exc, ray.exceptions.RayActorError):
+                    gone[name] = _last_line(exc)
         chains = [tuple((name, bind_host(manifest.nodes[name].address), listening[name])
                         for name in members if name in listening) for members, _files in sessions]
         # One node left of a chain reads the NAS itself, in its mirror.
@@ -77,16 +81,16 @@ def broadcast(ray, manifest: Manifest, relays: dict,
         for name in nodes:
             if name not in last:
                 _release(ray, {name: relays[name]}, stats)
-                done(name)
+                done(name, gone.get(name))
         for session in runs:
-            _run_chain(ray, relays, session, stats, deadline, last, done)
+            _run_chain(ray, relays, session, stats, deadline, last, done, gone)
     finally:
         _release(ray, relays, stats)
     return stats
 
 
 def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], deadline: float,
-               last: dict[str, int], done: Callable[[str], None]) -> None:
+               last: dict[str, int], done: Callable[[str, str | None], None], gone: dict[str, str]) -> None:
     running = {relays[name].run.remote(session, last[name] == session.number): name for name, _, _ in session.chain}
     watch = _Laggards(ray, relays, session)
     while running:
@@ -105,6 +109,8 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             got = ray.get(ready[0])
         except Exception as exc:  # noqa: BLE001 - the relay died (kill -9, OOM): its mirror stages it
             stats[name]["error"] = f"relay failed: {_last_line(exc)}"
+            if isinstance(exc, ray.exceptions.RayActorError):
+                gone[name] = _last_line(exc)
         else:
             mine = stats[name]
             for field in ("peer_bytes", "nas_bytes", "landed_files"):
@@ -112,7 +118,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             mine["fallbacks"] += got["fallbacks"]
             mine["bad_senders"] = sorted(set(mine["bad_senders"]) | set(got["bad_senders"]))
         if last[name] == session.number:
-            done(name)
+            done(name, gone.get(name))
     for name in watch.moved:
         stats[name]["moved_to_tail"] = True
 
