@@ -20,19 +20,31 @@ MiB = 1024 * 1024
 LAB = dict(size=256 * MiB, files=6, link=25e6, nas=25e6)  # 200 Mbit/s, as the lab was measured
 
 
-# The one point the model misses by more than 15 %: the tree at N = 4 (measured 88-98 s, model
-# 77 s). Its transfers' CPU per GB grows with how many run at once on the lab's two shared cores
-# (17 s at N = 1, 24 s at N = 4), which the model holds constant; docs/fleet.md says so.
-KNOWN_OFF = {("sftp", 4): 0.20}
+# The points the model misses by more than 15 %, and why (docs/fleet.md, "The simulator"):
+# - the tree at N = 4 (measured 88-98 s, model 77 s): its transfers' CPU per GB grows with how
+#   many run at once on the lab's two shared cores (17 s at N = 1, 24 s at N = 4), which the
+#   model holds constant;
+# - the plain chain at 512 MiB, N >= 2 (33-34 s, model 24-27 s): the bench's baseline writes
+#   through the page cache, and with two or more nodes writing 512 MiB each the writeback
+#   throttles it (a step of 10 s from N = 1 to 2, then flat), which the model does not know.
+KNOWN_OFF = {
+    "fleet-lab-measurements.json": {("sftp", 4): 0.20},
+    "fleet-lab-latest.json": {("chain", 2): 0.30, ("chain", 4): 0.25, ("chain", 8): 0.25},
+}
+# What each file measured: the transports and node counts the check must cover.
+COVERS = {"fleet-lab-measurements.json": {"nas", "sftp", "chain"}, "fleet-lab-latest.json": {"nas", "broadcast", "chain"}}
 
 
-def test_the_model_reproduces_the_labs_times_within_15_percent():
-    """Fitted on the N = 1 and 2 runs; every transport at every N <= 8 the lab measured."""
-    results = json.loads(MEASURED.read_text())
+@pytest.mark.parametrize("name", sorted(KNOWN_OFF))
+def test_the_model_reproduces_the_labs_times_within_15_percent(name):
+    """Fitted on the N = 1 and 2 runs; every transport at every N <= 8 the lab measured: the
+    256 MiB runs of direct reads, the tree and the plain chain, and the 512 MiB runs of the
+    broadcast beside direct reads and the plain chain."""
+    results = json.loads((REPO / "docs" / name).read_text())
     rows = check(results)
-    assert {row["transport"] for row in rows} >= {"nas", "sftp", "chain"}
+    assert {row["transport"] for row in rows} >= COVERS[name]
     assert {row["n"] for row in rows} >= {1, 2, 4, 8}
-    off = [row for row in rows if abs(row["error"]) > KNOWN_OFF.get((row["transport"], row["n"]), 0.15)]
+    off = [row for row in rows if abs(row["error"]) > KNOWN_OFF[name].get((row["transport"], row["n"]), 0.15)]
     assert not off, off
 
 
