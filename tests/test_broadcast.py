@@ -279,8 +279,8 @@ def test_a_downstream_whose_upstream_dies_resumes_from_the_next_holder(tmp_path,
 
 def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_path, nas):
     """b's inbound link runs at 4 MB/s. Once the chain is rerouted to a -> c -> b (the driver's
-    decision, see test_the_driver_moves_the_first_laggard), c takes its chunks from a and
-    finishes long before b, which is then served by c from disk."""
+    decision, see test_the_driver_moves_the_first_laggard), c hangs up on b at once, takes its
+    chunks from a and finishes long before b, which is then served by c from disk."""
     from stager.fleet.broadcast.relay import CHUNK as chunk
 
     key, run_id = mint()
@@ -305,8 +305,9 @@ def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_pat
             ("c", (hops["a"], hops["b"], hops["c"])))]
         for thread in threads:
             thread.start()
-        while running["b"][0].progress(0) < chunk and time.monotonic() - started < 30:
+        while running["b"][0].progress(0) < 1 and time.monotonic() - started < 30:
             time.sleep(0.05)
+        rerouted = time.monotonic()
         running["c"][0].reroute(0, (hops["a"], hops["c"], hops["b"]))
         running["b"][0].reroute(0, (b_view["a"], b_view["c"], hops["b"]))
         for thread in threads:
@@ -320,30 +321,32 @@ def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_pat
     total = sum(share.size for share in nas["files"])
     assert results["c"]["upstreams"][-1] == "a" and results["c"]["peer_bytes"] == total, results
     assert results["b"]["upstreams"][-1] == "c" and results["b"]["peer_bytes"] == total, results
-    # c did not wait for b: at 4 MB/s b needs about 5 s for the data.
+    # c did not wait for b: at 4 MB/s b needs about 5 s for the data, and 2 s for its next chunk,
+    # which c, waiting on b when rerouted, once waited for before it asked a.
     assert finished["c"] < finished["b"], (finished, started, results)
+    assert finished["c"] - rerouted < 0.6 * chunk / (4 * MiB), (finished, rerouted)
     for name in running:
         assert_landed(tmp_path, name, nas)
 
 
 def test_the_driver_moves_the_first_laggard():
-    from stager.fleet.broadcast.chain import LAG_MIN_BYTES, laggard
+    from stager.fleet.broadcast.chain import LAG_MIN_CHUNKS, laggard
 
     names = ["a", "b", "c", "d"]
-    full, slow = 12.5e6, 3e6  # bytes per second over the last look
+    full, slow = 1.5, 0.4  # chunks per second over the last looks
     fast = dict.fromkeys(names, full)
-    healthy = {"a": LAG_MIN_BYTES * 2, "b": LAG_MIN_BYTES * 2 - CHUNK, "c": LAG_MIN_BYTES, "d": LAG_MIN_BYTES}
+    healthy = {"a": LAG_MIN_CHUNKS * 4, "b": LAG_MIN_CHUNKS * 4 - 1, "c": LAG_MIN_CHUNKS * 3, "d": LAG_MIN_CHUNKS * 3}
     assert laggard(names, healthy, fast, fast, set()) is None
-    behind = {**healthy, "b": LAG_MIN_BYTES // 2, "c": LAG_MIN_BYTES // 2, "d": LAG_MIN_BYTES // 2}
+    behind = {**healthy, "b": LAG_MIN_CHUNKS * 2, "c": LAG_MIN_CHUNKS, "d": LAG_MIN_CHUNKS}
     trailing = {"a": full, "b": slow, "c": slow, "d": slow}
     assert laggard(names, behind, trailing, trailing, set()) == "b"
     assert laggard(names, behind, trailing, trailing, {"b"}) is None  # once per node; c only trails b
     # Rerouted off b onto a, c starts b's distance behind a and keeps it at full speed: not slow.
     assert laggard(["a", "c", "b", "d"], behind, {**trailing, "c": full}, {**trailing, "c": full}, {"b"}) is None
     # Behind an upstream that has finished (its rate now 0), b still holds c back: moved.
-    done = {**behind, "a": 4 * LAG_MIN_BYTES}
+    done = {**behind, "a": 8 * LAG_MIN_CHUNKS}
     assert laggard(names, done, {**trailing, "a": 0.0}, trailing, set()) == "b"
     # Nor early in the run, nor the head (it reads the NAS for everyone), nor the tail.
-    assert laggard(names, {"a": CHUNK, "b": 0, "c": 0, "d": 0}, trailing, trailing, set()) is None
-    assert laggard(names, {"a": LAG_MIN_BYTES, "b": LAG_MIN_BYTES, "c": LAG_MIN_BYTES, "d": 0}, trailing, trailing,
+    assert laggard(names, {"a": LAG_MIN_CHUNKS - 1, "b": 0, "c": 0, "d": 0}, trailing, trailing, set()) is None
+    assert laggard(names, {"a": LAG_MIN_CHUNKS, "b": LAG_MIN_CHUNKS, "c": LAG_MIN_CHUNKS, "d": 0}, trailing, trailing,
                    set()) is None

@@ -28,13 +28,10 @@ pytestmark = pytest.mark.skipif(lab_missing() is not None, reason=lab_missing() 
 
 # ---- today's transports: the baseline the broadcast is measured against ---------------------------
 
-def test_direct_reads_share_the_nas_link_so_time_grows_with_n(lab):
+def test_direct_reads_share_the_nas_link_so_time_grows_with_n(lab, one_node):
     """Every node reads the NAS: the NAS's one shaped uplink carries N copies, so N nodes take
     about N times one node's time, and the NAS's veth counts N x S. (Shows the shaping is real.)"""
-    data, nodes = lab.data_bytes, list(lab.nodes)
-    one = mirror(lab, "--transport", "nas", nodes=nodes[:1])
-    assert one.code == 0, one.stderr
-    assert_every_byte_right(lab, nodes[:1])
+    data, nodes, one = lab.data_bytes, list(lab.nodes), one_node
     every = mirror(lab, "--transport", "nas")
     assert every.code == 0, every.stderr
     assert_every_byte_right(lab)
@@ -145,6 +142,7 @@ def one_node(lab):
     """T(1): one node reading the NAS (a broadcast needs two nodes; with one, it is this)."""
     run = mirror(lab, "--transport", "nas", nodes=["dgx1"])
     assert run.code == 0, run.stderr
+    assert_every_byte_right(lab, ["dgx1"])
     return run
 
 

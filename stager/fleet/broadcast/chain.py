@@ -13,23 +13,25 @@ import time
 from typing import Callable
 
 from stager.fleet.broadcast.keys import mint
-from stager.fleet.broadcast.relay import CHUNK, Session, Share
+from stager.fleet.broadcast.relay import Session, Share, chunks_in
 from stager.manifest import Manifest
 
 OPEN_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 10.0
-# How the driver spots a laggard: every WATCH_INTERVAL it asks each relay how much it holds; a
-# node receiving at less than LAG_FRACTION of the best rate its upstream has shown, and
-# LAG_MIN_BYTES behind it, goes to the tail.
+# How the driver spots a laggard: every WATCH_INTERVAL it asks each relay how many chunks it holds;
+# a node receiving at less than LAG_FRACTION of the best rate its upstream has shown, and
+# LAG_MIN_CHUNKS behind it, goes to the tail.
 WATCH_INTERVAL = 1.0
 PROGRESS_TIMEOUT = 2.0
 LAG_FRACTION = 0.5
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
 # of nothing received made the node just rerouted off a laggard look like one (the lab saw it).
 REROUTE_GRACE = 3.0
-# 3 chunks: more than a healthy relay's lag of one or two, and small enough that a laggard is
-# found while its upstream still has data to send it (the lab's 48 MiB runs missed it at 4).
-LAG_MIN_BYTES = 3 * CHUNK
+RATE_LOOKS = 3
+# A healthy relay is one chunk behind its upstream (it forwards what it has written), two for a
+# moment. At 3 a node at a quarter of the rate was found only after its upstream had read the
+# whole 48 MiB of the lab's runs, and its downstream finished 1.4x later than in a clean run.
+LAG_MIN_CHUNKS = 2
 
 
 def bind_host(address: str) -> str:
@@ -128,18 +130,20 @@ class _Laggards:
     the chain, where the last node serves it from disk, and its downstream takes the chunks from
     its upstream instead. Once per node, and never the head (it reads the NAS for everyone).
 
-    Judged by rate, not by bytes held: a node just rerouted off a laggard starts that laggard's
-    distance behind its new upstream and keeps it while both receive at full speed. Judged by
-    bytes, it was moved too, behind the laggard, and stalled there."""
+    Judged by rate, not by chunks held: a node just rerouted off a laggard starts that laggard's
+    distance behind its new upstream and keeps it while both receive at full speed. Judged by how
+    far behind alone, it was moved too, behind the laggard, and stalled there. Rates are taken over
+    the last RATE_LOOKS looks: over one, a healthy node's one whole chunk against its upstream's two
+    looked like half the rate."""
 
     def __init__(self, ray, relays: dict, session: Session):
         self.ray, self.relays, self.session = ray, relays, session
         self.chain = session.chain
         self.moved: set[str] = set()
-        self.total = sum(share.size for share in session.files)
-        self.last: tuple[float, dict[str, int]] | None = None  # the previous look: when, and who held what
+        self.total = sum(chunks_in(share.size) for share in session.files)
+        self.looks: list[tuple[float, dict[str, int]]] = []  # the last few looks: when, and who held what
         self.quiet_until = 0.0  # no judging before this (monotonic): a reroute is settling
-        self.peaks: dict[str, float] = {}  # each node's best receive rate so far, bytes per second
+        self.peaks: dict[str, float] = {}  # each node's best receive rate so far, chunks per second
 
     def check(self, running: set[str]) -> None:
         names = [name for name, _, _ in self.chain]
@@ -150,11 +154,13 @@ class _Laggards:
             return
         for name in names:
             held.setdefault(name, self.total)  # finished (or gone: its downstream looks elsewhere)
-        now, previous = time.monotonic(), self.last
-        self.last = (now, held)
-        if previous is None or previous[0] < self.quiet_until:
-            return  # rates need two looks, both after the last reroute settled
-        rates = {name: (held[name] - previous[1].get(name, 0)) / max(now - previous[0], 1e-3) for name in names}
+        now = time.monotonic()
+        settled = [look for look in self.looks if look[0] >= self.quiet_until]
+        self.looks = settled[-(RATE_LOOKS - 1):] + [(now, held)]
+        if len(self.looks) < RATE_LOOKS:
+            return  # rates need that many looks, all after the last reroute settled
+        then, before = self.looks[0]
+        rates = {name: (held[name] - before.get(name, 0)) / max(now - then, 1e-3) for name in names}
         for name, rate in rates.items():
             self.peaks[name] = max(rate, self.peaks.get(name, 0.0))
         name = laggard(names, held, rates, self.peaks, self.moved)
@@ -169,12 +175,12 @@ class _Laggards:
 
 def laggard(names: list[str], held: dict[str, int], rates: dict[str, float], peaks: dict[str, float],
             moved: set[str]) -> str | None:
-    """The first node (not the head, not the tail, not moved before) LAG_MIN_BYTES behind its
+    """The first node (not the head, not the tail, not moved before) LAG_MIN_CHUNKS behind its
     upstream and receiving at less than LAG_FRACTION of the best rate that upstream has shown
-    (bytes per second over one look): what it could be sending, even once it has finished."""
+    (chunks per second over the last looks): what it could be sending, even once it has finished."""
     for index in range(1, len(names) - 1):
         name, upstream = names[index], names[index - 1]
-        if (name not in moved and held[upstream] - held[name] >= LAG_MIN_BYTES
+        if (name not in moved and held[upstream] - held[name] >= LAG_MIN_CHUNKS
                 and rates[name] < LAG_FRACTION * peaks.get(upstream, 0.0)):
             return name
     return None

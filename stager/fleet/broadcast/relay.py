@@ -117,6 +117,10 @@ class _Protocol(Exception):
     """An upstream sent something other than the chunk that was due."""
 
 
+def chunks_in(size: int) -> int:
+    return -(-size // CHUNK)
+
+
 def listen(host: str, ports: tuple[int, int] | None) -> socket.socket:
     """A listening socket on `host`, on the first free port of `ports` (else one the kernel picks)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -153,6 +157,7 @@ class Relay:
         self.cond = threading.Condition()
         self.sessions: dict[int, list[_Held]] = {}
         self.routes: dict[int, tuple] = {}  # session -> the chain as last rerouted by the driver
+        self.feeds: dict[int, _Feed] = {}  # session -> where this node is receiving it from, while it is
         self.refused: list[str] = []
         self.cpu_seconds = 0.0  # of the threads that receive and serve, as each ends
         self.spare: list[_Chunk] = []  # chunk buffers no file holds and no sender uses
@@ -182,15 +187,22 @@ class Relay:
         return self.listener.getsockname()[1]
 
     def progress(self, number: int) -> int:
-        """Bytes of the session this node holds so far (the driver watches for a laggard)."""
+        """Chunks of the session this node holds so far (the driver watches for a laggard). In
+        chunks, not bytes: a chain moves whole chunks, and a file a little under a chunk left a
+        node two files behind short of two chunks' bytes."""
         with self.cond:
-            return sum(held.size if held.lost else held.have for held in self.sessions.get(number, ()))
+            return sum(chunks_in(held.size) if held.lost else chunks_in(held.have)
+                       for held in self.sessions.get(number, ()))
 
     def reroute(self, number: int, chain: tuple[tuple[str, str, int], ...]) -> None:
         """A new order for the session's chain (a laggard moved to the tail): this node takes
-        its chunks from its new upstream from the next chunk on."""
+        its chunks from its new upstream from the next chunk on, or at once if its upstream was
+        the laggard."""
         with self.cond:
             self.routes[number] = chain
+            feed = self.feeds.get(number)
+        if feed is not None:
+            feed.rerouted(chain)
 
     def close(self) -> dict:
         """Stop serving, close every descriptor, release the lock. Returns who was refused, and
@@ -224,6 +236,8 @@ class Relay:
             self.cond.notify_all()
         nas, cache = self.digests.source, self.digests
         feed = _Feed(self, session, files, cache)
+        with self.cond:
+            self.feeds[session.number] = feed
         landed = 0
         try:
             for file_id, share in enumerate(session.files):
@@ -236,6 +250,8 @@ class Relay:
                         files[file_id].lost = True
                         self.cond.notify_all()
         finally:
+            with self.cond:
+                self.feeds.pop(session.number, None)
             feed.close()
             self.drop_recent(feed.kept)
             if last:
@@ -418,6 +434,7 @@ class _Feed:
         self.conn: socket.socket | None = None
         self.upstream = ""
         self.lost: set[int] = set()  # files the current upstream said it does not hold
+        self.hung_up = False  # the current connection was cut by a reroute, not by its upstream
         self.kept: list[tuple[_Held, int]] = []  # the chunks held in memory for the senders, oldest first
         self.peer_bytes = 0
         self.nas_bytes = 0
@@ -481,10 +498,7 @@ class _Feed:
                                 f"sample was due")
             payload = recv_exact(self.conn, length)
         except (OSError, _Protocol) as exc:
-            log.warning("%s: no sample from %s (%s)", self.relay.node, self.upstream, _why(exc))
-            if isinstance(exc, _Protocol):
-                self.bad_senders.append(self.upstream)
-            self._drop()
+            self._failed(exc, "no sample from it")
             return
         if not mac_ok(chunk_mac(self.relay._key, self.relay._run_id, file_id, size, payload), mac):
             self.bad_senders.append(self.upstream)
@@ -512,10 +526,7 @@ class _Feed:
                                     f"file {file_id} at {offset} was due")
                 _recv_into(self.conn, view)
             except (OSError, _Protocol) as exc:
-                log.warning("%s: upstream %s lost (%s); trying the next holder", relay.node, self.upstream, _why(exc))
-                if isinstance(exc, _Protocol):
-                    self.bad_senders.append(self.upstream)
-                self._drop()
+                self._failed(exc, "trying the next holder")
                 continue
             if mac_ok(chunk_mac(relay._key, relay._run_id, file_id, offset, view), mac):
                 return mac
@@ -541,6 +552,32 @@ class _Feed:
         if self.conn is not None and (not self.candidates or self.candidates[0][0] != self.upstream):
             self.conn.close()
             self.conn = None
+
+    def _failed(self, exc: BaseException, then: str) -> None:
+        """The current upstream's connection failed: it is left for good, and named if it broke
+        the protocol. Unless a reroute hung up on it: then the new upstream is asked."""
+        if self.hung_up:
+            self.hung_up = False
+            self.close()
+            return
+        log.warning("%s: upstream %s lost (%s); %s", self.relay.node, self.upstream, _why(exc), then)
+        if isinstance(exc, _Protocol):
+            self.bad_senders.append(self.upstream)
+        self._drop()
+
+    def rerouted(self, chain) -> None:
+        """From the driver's reroute (another thread): if this node's upstream now comes after it
+        (it was the laggard, moved to the tail), hang up at once. Finishing the chunk in flight at
+        the laggard's pace held the node back by a chunk's time at a quarter of the rate (2.7 s
+        at 25 Mbit/s on the lab)."""
+        names = [name for name, _, _ in chain]
+        conn = self.conn
+        if (conn is None or self.upstream not in names or self.relay.node not in names
+                or names.index(self.upstream) < names.index(self.relay.node)):
+            return
+        self.hung_up = True
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
 
     def _connect(self) -> bool:
         relay = self.relay
