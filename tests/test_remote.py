@@ -165,6 +165,51 @@ def test_reads_are_exact_and_many_readers_share_the_connections(nas, sshd, tmp_p
         source.open("link", uncached=True)  # readers never follow links: the walk resolves them
 
 
+def test_reads_of_255_kib_read_exactly_the_bytes_asked_for(sshd, tmp_path):
+    """Reads go out as 255 KiB requests in flight: every read, sequential, scattered or of odd
+    length, gets exactly its bytes, and sftp-server's own log counts exactly what was asked (the
+    whole file once for a copy, only the sampled spans for a sample, nothing past the end)."""
+    from stager.fingerprint import sampled_digest
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    size = 8 * MiB + 4321
+    data = pseudo_random(11, size)
+    for name in ("copied", "sampled", "mixed"):  # one directory each: the log is counted by directory
+        (hub / name).mkdir()
+        (hub / name / "blob").write_bytes(data)
+    source = open_source(sshd.url(hub), {})
+    step = MiB
+
+    def read(name: str, pattern: list[tuple[int, int]]) -> None:
+        reader = source.open(f"{name}/blob", uncached=True)
+        try:
+            for offset, length in pattern:
+                buffer = bytearray(length)
+                got = reader.readinto_at(memoryview(buffer), offset)
+                assert bytes(buffer[:got]) == data[offset:offset + length], (name, offset, length)
+        finally:
+            reader.close()
+
+    read("copied", [(offset, step) for offset in range(0, size, step)])
+    mixed = [(0, step), (step, step), (5 * MiB + 7, 1000), (2 * step, step // 2), (size - 100, step)]
+    read("mixed", mixed)
+    reader = source.open("sampled/blob", uncached=True)
+    try:
+        sample = sampled_digest(reader, 1234)
+    finally:
+        reader.close()
+    local = LocalSource(str(hub)).open("sampled/blob", uncached=True)
+    try:
+        assert sample == sampled_digest(local, 1234)
+    finally:
+        local.close()
+    read_by = {name: sshd.bytes_read(hub / name) for name in ("copied", "sampled", "mixed")}
+    assert read_by["copied"] == size, read_by
+    assert read_by["sampled"] < size // 2, read_by
+    assert read_by["mixed"] == sum(min(length, size - offset) for offset, length in mixed), read_by
+
+
 def test_a_file_that_shrinks_during_a_read_is_a_file_problem_not_a_lost_source(sshd, tmp_path):
     hub = tmp_path / "hub"
     hub.mkdir()
