@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fleet_lab import Lab, LabConfig, Member, MiB, parse_size  # noqa: E402
+from stager.fleet.broadcast.relay import CHUNK as BROADCAST_CHUNK  # noqa: E402
 
 GB = 1e9
 CHAIN_PORT = 7700
@@ -227,7 +228,7 @@ def bench(args) -> dict:
     counts = sorted(set(args.nodes))
     config = LabConfig(nodes=max(counts), rate_mbit=args.rate, size=args.size, files=args.files)
     results = {"config": {"rate_mbit": args.rate, "size": args.size, "files": args.files, "chunk": args.chunk,
-                          "nodes": counts, "reps": args.reps, "transports": args.transports, "kill": args.kill},
+                          "broadcast_chunk": BROADCAST_CHUNK, "nodes": counts, "reps": args.reps, "transports": args.transports, "kill": args.kill},
                "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
                "runs": []}
     with Lab(config) as lab:
