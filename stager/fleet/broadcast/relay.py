@@ -612,7 +612,7 @@ class _Feed:
                 self.shunned.add(name)
                 self.candidates.pop(0)
                 continue
-            self.conn, self.upstream, self.lost = sock, name, set()
+            self.conn, self.upstream, self.lost, self.hung_up = sock, name, set(), False
             self.used.append(name)
             return True
         return False
