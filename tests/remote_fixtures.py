@@ -73,7 +73,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_sshd(workdir: Path) -> SshServer:
+def start_sshd(workdir: Path, read_cap: int | None = None) -> SshServer:
+    """A real sshd with throw-away keys. `read_cap`: its sftp-server answers no read with more
+    than that many bytes (an older or stricter server), through SFTP_READ_CAP's filter."""
     sshd = shutil.which("sshd") or "/usr/sbin/sshd"
     sftp_server = next((p for p in SFTP_SERVERS if os.path.exists(p)), None)
     if not os.path.exists(sshd) or sftp_server is None:
@@ -86,6 +88,10 @@ def start_sshd(workdir: Path) -> SshServer:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
     sftp_log = workdir / "sftp.log"
     sftp_log.touch()
+    subsystem = f"{sftp_server} -e -l INFO 2>>{sftp_log}"
+    if read_cap is not None:
+        (workdir / "read_cap.py").write_text(SFTP_READ_CAP)
+        subsystem = f"{sys.executable} {workdir / 'read_cap.py'} {read_cap} {subsystem}"
     for _attempt in range(5):
         port = free_port()
         config = workdir / "sshd_config"
@@ -103,7 +109,7 @@ UsePAM no
 UseDNS no
 MaxStartups 200
 LogLevel VERBOSE
-Subsystem sftp {sftp_server} -e -l INFO 2>>{sftp_log}
+Subsystem sftp {subsystem}
 """)
         process = subprocess.Popen([sshd, "-D", "-f", str(config), "-E", str(workdir / "sshd.log")],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -115,6 +121,36 @@ Subsystem sftp {sftp_server} -e -l INFO 2>>{sftp_log}
         process.kill()
         process.wait()
     raise RuntimeError(f"sshd did not start; see {workdir / 'sshd.log'}")
+
+
+# Between sshd and a real sftp-server: lowers the length of every SSH_FXP_READ request to the cap,
+# so the server answers each read with at most that many bytes, as some servers do.
+SFTP_READ_CAP = r"""
+import os, struct, subprocess, sys
+cap = int(sys.argv[1])
+server = subprocess.Popen(" ".join(sys.argv[2:]), shell=True, stdin=subprocess.PIPE, stdout=sys.stdout.fileno())
+def exact(n):
+    data = b""
+    while len(data) < n:
+        got = os.read(0, n - len(data))
+        if not got:
+            return None
+        data += got
+    return data
+while (head := exact(4)) is not None:
+    body = exact(struct.unpack(">I", head)[0])
+    if body is None:
+        break
+    if body[0] == 5:  # SSH_FXP_READ: id, string handle, uint64 offset, uint32 length
+        handle_length = struct.unpack(">I", body[5:9])[0]
+        at = 9 + handle_length + 8
+        length = struct.unpack(">I", body[at:at + 4])[0]
+        body = body[:at] + struct.pack(">I", min(length, cap)) + body[at + 4:]
+    server.stdin.write(head + body)
+    server.stdin.flush()
+server.stdin.close()
+server.wait()
+"""
 
 
 def _listening(port: int, process: subprocess.Popen) -> bool:

@@ -16,7 +16,7 @@ import pytest
 from conftest import run_stage, sha256_file
 from hubgen import pseudo_random
 from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, build_remote_nas, hub_tree as tree, load_offline,
-                             manifest_for, silent_port)
+                             manifest_for, silent_port, start_sshd)
 from stager.errors import CannotRun
 from stager.hub import walk_repo
 from stager.sources import open_source
@@ -208,6 +208,36 @@ def test_reads_of_255_kib_read_exactly_the_bytes_asked_for(sshd, tmp_path):
     assert read_by["copied"] == size, read_by
     assert read_by["sampled"] < size // 2, read_by
     assert read_by["mixed"] == sum(min(length, size - offset) for offset, length in mixed), read_by
+
+
+def test_a_server_that_answers_less_than_asked_is_asked_for_the_rest_then_for_what_it_answers(
+        tmp_path, monkeypatch):
+    """OpenSSH's sftp-server behind a filter that caps every read at 40,000 bytes (as older or
+    stricter servers answer): every byte arrives, each read's rest is asked for, later requests
+    are the server's size, and the server reads the file once."""
+    capped = start_sshd(tmp_path / "capped-sshd", read_cap=40_000)
+    try:
+        for key, value in capped.env.items():
+            monkeypatch.setenv(key, value)
+        hub = tmp_path / "hub"
+        (hub / "blob").parent.mkdir(parents=True)
+        size = 3 * MiB + 7
+        data = pseudo_random(12, size)
+        (hub / "blob").write_bytes(data)
+        source = open_source(capped.url(hub), {})
+        reader = source.open("blob", uncached=True)
+        try:
+            buffer = bytearray(MiB)
+            for offset in range(0, size, MiB):
+                got = reader.readinto_at(memoryview(buffer), offset)
+                assert bytes(buffer[:got]) == data[offset:offset + MiB], offset
+            assert reader.pread(100_000, 12_345) == data[12_345:112_345]
+        finally:
+            reader.close()
+        assert source.request_bytes == 40_000
+        assert capped.bytes_read(hub) == size + 100_000
+    finally:
+        capped.stop()
 
 
 def test_a_file_that_shrinks_during_a_read_is_a_file_problem_not_a_lost_source(sshd, tmp_path):
