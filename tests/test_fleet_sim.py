@@ -32,10 +32,12 @@ KNOWN_OFF = {
     "fleet-lab-latest.json": {("chain", 2): 0.30, ("chain", 4): 0.25, ("chain", 8): 0.25},
     "fleet-lab-gcm.json": {("chain", 2): 0.25, ("chain", 4): 0.35, ("chain", 8): 0.35},
     "fleet-lab-4mib.json": {("chain", 2): 0.35, ("chain", 4): 0.35, ("chain", 8): 0.35},
+    "fleet-lab-compare.json": {},
 }
 # What each file measured: the transports and node counts the check must cover.
 COVERS = {"fleet-lab-measurements.json": {"nas", "sftp", "chain"}, "fleet-lab-latest.json": {"nas", "broadcast", "chain"},
-          "fleet-lab-gcm.json": {"broadcast", "chain"}, "fleet-lab-4mib.json": {"broadcast", "chain"}}
+          "fleet-lab-gcm.json": {"broadcast", "chain"}, "fleet-lab-4mib.json": {"broadcast", "chain"},
+          "fleet-lab-compare.json": {"nas", "sftp", "broadcast"}}
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_OFF))
