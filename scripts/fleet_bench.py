@@ -228,7 +228,8 @@ def bench(args) -> dict:
     counts = sorted(set(args.nodes))
     config = LabConfig(nodes=max(counts), rate_mbit=args.rate, size=args.size, files=args.files)
     results = {"config": {"rate_mbit": args.rate, "size": args.size, "files": args.files, "chunk": args.chunk,
-                          "broadcast_chunk": BROADCAST_CHUNK, "nodes": counts, "reps": args.reps, "transports": args.transports, "kill": args.kill},
+                          "broadcast_chunk": BROADCAST_CHUNK, "nodes": counts, "reps": args.reps,
+                          "transports": args.transports, "kill": args.kill},
                "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
                "runs": []}
     with Lab(config) as lab:

@@ -188,6 +188,8 @@ def test_reads_of_255_kib_read_exactly_the_bytes_asked_for(sshd, tmp_path):
                 buffer = bytearray(length)
                 got = reader.readinto_at(memoryview(buffer), offset)
                 assert bytes(buffer[:got]) == data[offset:offset + length], (name, offset, length)
+            # OpenSSH offers AES-GCM, so it is taken over paramiko's own first choice (AES-CTR).
+            assert reader._sftp.get_channel().get_transport().remote_cipher == "aes128-gcm@openssh.com"
         finally:
             reader.close()
 
@@ -205,6 +207,7 @@ def test_reads_of_255_kib_read_exactly_the_bytes_asked_for(sshd, tmp_path):
     finally:
         local.close()
     read_by = {name: sshd.bytes_read(hub / name) for name in ("copied", "sampled", "mixed")}
+    assert source.request_bytes == 255 * 1024  # OpenSSH answers each 255 KiB read whole
     assert read_by["copied"] == size, read_by
     assert read_by["sampled"] < size // 2, read_by
     assert read_by["mixed"] == sum(min(length, size - offset) for offset, length in mixed), read_by

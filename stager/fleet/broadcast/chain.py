@@ -27,6 +27,7 @@ LAG_FRACTION = 0.5
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
 # of nothing received made the node just rerouted off a laggard look like one (the lab saw it).
 REROUTE_GRACE = 3.0
+# Rates are taken over this many looks (two intervals): see _Laggards.
 RATE_LOOKS = 3
 # A healthy relay is one chunk behind its upstream (it forwards what it has written), two for a
 # moment. At 3 a node at a quarter of the rate was found only after its upstream had read the
