@@ -165,6 +165,44 @@ def test_reads_are_exact_and_many_readers_share_the_connections(nas, sshd, tmp_p
         source.open("link", uncached=True)  # readers never follow links: the walk resolves them
 
 
+def test_a_sequential_reader_asks_ahead_and_a_read_elsewhere_drops_what_it_asked(sshd, tmp_path):
+    """A sequential reader keeps requests in flight past each read, so the pipe does not run dry
+    between reads; reads of odd lengths get exactly their bytes from answers that straddle them;
+    a read elsewhere gets its own bytes, not what was read ahead; and a whole sequential read
+    reads the file from the server exactly once, nothing past its end."""
+    hub = tmp_path / "hub"
+    size = 6 * MiB + 999
+    data = pseudo_random(12, size)
+    for name in ("whole", "jumps"):
+        (hub / name).mkdir(parents=True)
+        (hub / name / "blob").write_bytes(data)
+    source = open_source(sshd.url(hub), {})
+    reader = source.open("whole/blob", uncached=True, sequential=True)
+    try:
+        got, offset = bytearray(), 0
+        while offset < size:
+            buffer = bytearray(MiB + 17)
+            n = reader.readinto_at(memoryview(buffer), offset)
+            if offset == 0:
+                assert reader._next_ask > n, "nothing was asked past the first read"
+            got += buffer[:n]
+            offset += n
+    finally:
+        reader.close()
+    assert got == data
+    reader = source.open("jumps/blob", uncached=True, sequential=True)
+    try:
+        for offset, length in [(0, MiB), (MiB, MiB), (4 * MiB + 3, 5000), (2 * MiB, 300), (2 * MiB + 300, MiB),
+                               (size - 10, MiB)]:
+            buffer = bytearray(length)
+            n = reader.readinto_at(memoryview(buffer), offset)
+            assert bytes(buffer[:n]) == data[offset:offset + length], (offset, length)
+        assert reader.pread(1000, 3 * MiB) == data[3 * MiB:3 * MiB + 1000]
+    finally:
+        reader.close()
+    assert sshd.bytes_read(hub / "whole") == size
+
+
 def test_reads_of_255_kib_read_exactly_the_bytes_asked_for(sshd, tmp_path):
     """Reads go out as 255 KiB requests in flight: every read, sequential, scattered or of odd
     length, gets exactly its bytes, and sftp-server's own log counts exactly what was asked (the
