@@ -30,9 +30,11 @@ REROUTE_GRACE = 3.0
 # Rates are taken over this many looks (two intervals): see _Laggards.
 RATE_LOOKS = 3
 # A healthy relay is one chunk behind its upstream (it forwards what it has written), two for a
-# moment. At 3 a node at a quarter of the rate was found only after its upstream had read the
-# whole 48 MiB of the lab's runs, and its downstream finished 1.4x later than in a clean run.
-LAG_MIN_CHUNKS = 2
+# moment. With 4 MiB chunks, 3 behind (12 MiB) found a node at a quarter of the rate only after its
+# upstream had read the whole 48 MiB of the lab's runs, and its downstream finished 1.4x later
+# than in a clean run; 2 (8 MiB) found it in time. With 1 MiB chunks, 4 leaves a healthy node
+# room for a moment's jitter and still finds a laggard within 4 MiB.
+LAG_MIN_CHUNKS = 4
 
 
 def bind_host(address: str) -> str:
