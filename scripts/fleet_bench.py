@@ -22,6 +22,10 @@ order rotated by one each round, onto emptied node hubs, with `--nodes dgx1..dgx
 --chunk chunks to dgx1, which writes each chunk and passes it to dgx2, and so on; plain Python
 sockets, no hashing, no Ray. Its relays' CPU is their own rusage (wait4).
 
+`stream` is the other baseline, at N = 1 only: one SSH stream (`ssh nas cat` of the snapshot's
+files into dgx1's /dev/null), the time S takes through the shaped NAS link as one TCP stream with
+its framing: S/R as measured, beside S/R from the nominal rate.
+
 `--kill` adds, per round and for the transports that claim to survive it (broadcast), a run at
 max N in which one node in the middle is killed (kill -9 of every process in its namespace) half
 way through the clean run's time; the others' times are compared with the clean run's.
@@ -35,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import struct
@@ -160,6 +165,18 @@ def run_chain(lab: Lab, nodes: list[Member], chunk: int) -> dict:
             "ok": ok, "code": 0}
 
 
+def run_stream(lab: Lab, member: Member) -> dict:
+    """One SSH stream of the snapshot's files from the NAS into `member`'s /dev/null."""
+    files = sorted(str(p.resolve()) for p in (lab.nas_hub / lab.snapshot_dir).iterdir())
+    argv = ["ssh", "-i", str(lab.ssh_key), "-o", f"UserKnownHostsFile={lab.known_hosts}", "-o", "BatchMode=yes",
+            f"root@{lab.nas.address}", "cat " + " ".join(shlex.quote(path) for path in files)]
+    before, started = lab.counters(), time.monotonic()
+    code = lab.spawn(member, argv).wait()
+    seconds = time.monotonic() - started
+    return {"seconds": seconds, "nas_sent": (lab.counters() - before).rx_bytes, "nas_read": None, "cpu": {},
+            "relay_cpu": {}, "ok": code == 0, "code": code}
+
+
 def sha256(path: Path) -> str | None:
     import hashlib
 
@@ -235,7 +252,7 @@ def bench(args) -> dict:
     with Lab(config) as lab:
         results["config"]["data_bytes"] = lab.data_bytes
         link_seconds = lab.data_bytes * 8 / (args.rate * 1e6)
-        pairs = [(n, t) for n in counts for t in args.transports]
+        pairs = [(n, t) for n in counts for t in args.transports if t != "stream" or n == 1]
         for rep in range(args.reps):
             rotated = pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]
             for n, transport in rotated:
@@ -243,6 +260,7 @@ def bench(args) -> dict:
                 lab.wipe_hubs()
                 timeout = max(120.0, 6 * n * link_seconds + 60)
                 run = (run_chain(lab, nodes, args.chunk) if transport == "chain"
+                       else run_stream(lab, nodes[0]) if transport == "stream"
                        else run_fleet_mirror(lab, transport, nodes, timeout))
                 record(results, args, {"transport": transport, "n": n, "rep": rep, **run})
             if args.kill:
@@ -300,11 +318,14 @@ def summarize(results: dict) -> dict:
                     max(s for name, s in r["node_seconds"].items() if name != r["killed"] and s is not None)
                     for r in runs), 2)
             out[key][n] = entry
+    stream = out.get("stream", {}).get("1")
     for key in out:
         first = out[key].get("1")
         for n, entry in out[key].items():
             if first:
                 entry["t_over_t1"] = round(entry["seconds"] / first["seconds"], 3)
+            if stream:  # T / (S/R) with S/R as one stream through the shaped link takes it
+                entry["t_over_stream"] = round(entry["seconds"] / stream["seconds"], 3)
     return out
 
 
@@ -352,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=6)
     parser.add_argument("--chunk", type=parse_size, default=8 * MiB, help="the plain chain's chunk (8MiB)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--transports", type=lambda s: s.split(","), default=["nas", "sftp", "broadcast", "chain"])
+    parser.add_argument("--transports", type=lambda s: s.split(","),
+                        default=["nas", "sftp", "broadcast", "chain", "stream"])
     parser.add_argument("--kill", action="store_true", help="also a run at max N with one node killed half-way")
     parser.add_argument("--out", type=Path, help="write the results (JSON) here, after every run")
     args = parser.parse_args(argv)
