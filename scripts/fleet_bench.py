@@ -278,6 +278,7 @@ def bench(args) -> dict:
                                            "killed_at": at, **run})
                     lab.rejoin(lab.nodes[victim])
     results["summary"] = summarize(results)
+    save(results, args)
     return results
 
 
@@ -285,6 +286,11 @@ def record(results: dict, args, run: dict) -> None:
     results["runs"].append(run)
     print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in run.items() if k != "cpu"}),
           file=sys.stderr, flush=True)
+    save(results, args)
+
+
+def save(results: dict, args) -> None:
+    """Every run as it ends (a long bench cut short keeps what it measured), and the summary last."""
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
