@@ -319,10 +319,6 @@ def summarize(results: dict) -> dict:
             reads = [r["nas_read"] for r in runs if r.get("nas_read") is not None]
             if reads:
                 entry["nas_read_per_s"] = round(statistics.median(reads) / data, 3)
-            if any(r.get("killed") for r in runs):
-                entry["survivor_seconds"] = round(statistics.median(
-                    max(s for name, s in r["node_seconds"].items() if name != r["killed"] and s is not None)
-                    for r in runs), 2)
             out[key][n] = entry
     stream = out.get("stream", {}).get("1")
     for key in out:
