@@ -65,9 +65,10 @@ STALL_TIMEOUT = 15.0
 SESSION_WAIT = 30.0
 SEND_TIMEOUT = 60.0
 # Chunks kept in memory after they are written, to be sent on from there: a healthy downstream is
-# one or two chunks behind, and a node rerouted onto this one a few more. Read back from the copy instead (written around the page cache), every
-# byte forwarded crossed the disk a second time: at 8 nodes the lab read 70 MB/s back, and a
-# relay's CPU was 3.0 s per GB received against 2.6 s with these.
+# one or two chunks behind, and a node rerouted onto this one a few more. Read back from the copy
+# instead (written around the page cache), every byte forwarded crossed the disk a second time: at
+# 8 nodes the lab read 70 MB/s back, and a relay's CPU was 3.0 s per GB received against 2.6 s
+# with these.
 RECENT_CHUNKS = 8
 
 # SAMPLE follows a file's last chunk: the sample of the NAS file the node that read it took, once
