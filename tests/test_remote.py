@@ -364,3 +364,25 @@ def test_malformed_source_urls_are_bad_input(nas, tmp_path, url, message):
 def test_the_nas_was_only_read(nas):
     """For the whole module: every link and every file's bytes on the NAS are as built."""
     assert tree(nas["hub"]) == nas["before"]
+
+
+def test_a_read_that_failed_half_way_is_not_continued_with_its_own_answers(sshd, tmp_path):
+    """A sequential read that fails (the file shrank under it) leaves requests unanswered; a later
+    read where it would have ended gets that file's bytes there, not the failed read's answers."""
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    size = 8 * MiB
+    data = pseudo_random(13, size)
+    (hub / "blob").write_bytes(data)
+    source = open_source(sshd.url(hub), {})
+    reader = source.open("blob", uncached=True, sequential=True)
+    try:
+        os.truncate(hub / "blob", MiB // 2)
+        with pytest.raises(OSError, match="changed on the source"):
+            reader.readinto_at(memoryview(bytearray(2 * MiB)), 0)
+        (hub / "blob").write_bytes(data)
+        buffer = bytearray(2 * MiB)
+        got = reader.readinto_at(memoryview(buffer), 2 * MiB)
+        assert bytes(buffer[:got]) == data[2 * MiB:4 * MiB]
+    finally:
+        reader.close()

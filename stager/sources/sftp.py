@@ -438,7 +438,9 @@ class RemoteReader:
         end = offset + max(0, min(len(view), self.size - offset))
         if offset != self._expected or not ahead:
             self._forget_ahead(offset)
-        self._expected = end
+        # Nothing continues a read that fails half-way: its unanswered requests would land before
+        # the next read's offset. Set to `end` once every byte is in.
+        self._expected = -1
         horizon = self.size if ahead else end
         missing = end - offset
         for at in sorted(self._early):
@@ -459,6 +461,7 @@ class RemoteReader:
                     request = self._asked.pop(num, None)
                     if request is not None:
                         missing -= self._place(view, offset, end, request[0], self._answer(kind, msg, *request))
+        self._expected = end
         return end - offset
 
     def _answer(self, kind, msg, at: int, size: int) -> memoryview:
