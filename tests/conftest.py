@@ -64,6 +64,30 @@ def write_manifest(path: Path, nas: Path, local: Path, models: dict[str, dict], 
     return path
 
 
+def source_writer(path: Path, mode: str, copying_into: Path) -> subprocess.Popen:
+    """A real process that rewrites `path` in place (same size) or appends to it, from the moment
+    a copy is in flight (a temp file under `copying_into`) until killed."""
+    code = (
+        "import os, sys, time\n"
+        "path, mode, local = sys.argv[1:]\n"
+        "fd = os.open(path, os.O_WRONLY | (os.O_APPEND if mode == 'append' else 0))\n"
+        "size = os.fstat(fd).st_size\n"
+        "n = 0\n"
+        "print('ready', flush=True)\n"
+        "while not any('.stage-' in n for _, _, names in os.walk(local) for n in names): time.sleep(0.001)\n"
+        "while True:\n"
+        "    n += 1\n"
+        "    if mode == 'append':\n"
+        "        os.write(fd, b'more ' * 200)\n"
+        "    else:\n"
+        "        os.pwrite(fd, bytes([n % 251]) * 65536, (n * 65536) % max(1, size - 65536))\n"
+        "    time.sleep(0.002)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path), mode, str(copying_into)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
     """A real OpenSSH server on 127.0.0.1 with throw-away keys (remote_fixtures.py), one per module."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_stage, sha256_file, write_manifest
+from conftest import run_stage, sha256_file, source_writer, write_manifest
 from hubgen import Hub, random_safetensors
 from reliability_support import (MODEL, STAGE, MiB, Staging, assert_hub_truthful, bind, build_staging, needs_root,
                                  read_only_bind, run_json, temp_files, tree_state, untouched)
@@ -260,30 +260,6 @@ def test_files_absent_on_purpose_are_excluded_and_then_the_snapshot_stages(stagi
 
 # ---------------------------------------------------------------- 5. a source that changes during the copy
 
-def _writer(path: Path, mode: str, copying_into: Path) -> subprocess.Popen:
-    """A real process that rewrites `path` in place (same size) or appends to it, from the moment
-    a copy is in flight (a temp file under `copying_into`) until killed."""
-    code = (
-        "import os, sys, time\n"
-        "path, mode, local = sys.argv[1:]\n"
-        "fd = os.open(path, os.O_WRONLY | (os.O_APPEND if mode == 'append' else 0))\n"
-        "size = os.fstat(fd).st_size\n"
-        "n = 0\n"
-        "print('ready', flush=True)\n"
-        "while not any('.stage-' in n for _, _, names in os.walk(local) for n in names): time.sleep(0.001)\n"
-        "while True:\n"
-        "    n += 1\n"
-        "    if mode == 'append':\n"
-        "        os.write(fd, b'more ' * 200)\n"
-        "    else:\n"
-        "        os.pwrite(fd, bytes([n % 251]) * 65536, (n * 65536) % max(1, size - 65536))\n"
-        "    time.sleep(0.002)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(path), mode, str(copying_into)],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
 @pytest.mark.parametrize("mode", ["rewrite", "append"])
 @pytest.mark.parametrize("full", [False, True])
 def test_a_source_written_during_the_copy_is_never_staged_torn(tmp_path, mode, full):
@@ -294,7 +270,7 @@ def test_a_source_written_during_the_copy_is_never_staged_torn(tmp_path, mode, f
     real = snap.add_real("weights.bin", os.urandom(96 * MiB))
     snap.finish(trees=False)
     manifest = write_manifest(tmp_path / "m.toml", nas.root, tmp_path / "nvme", {MODEL: {}})
-    writer = _writer(real, mode, tmp_path / "nvme")
+    writer = source_writer(real, mode, tmp_path / "nvme")
     try:
         result = run_stage("mirror", "--node", "dgx1", "--manifest", manifest, "--json", *(["--full"] if full else []))
     finally:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_stage, sha256_file
-from hubgen import pseudo_random
+from conftest import run_stage, sha256_file, source_writer, write_manifest
+from hubgen import Hub, pseudo_random
+from reliability_support import temp_files
 from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, build_remote_nas, hub_tree as tree, load_offline,
                              manifest_for, silent_port, start_sshd)
 from stager.errors import CannotRun
@@ -386,3 +387,33 @@ def test_a_read_that_failed_half_way_is_not_continued_with_its_own_answers(sshd,
         assert bytes(buffer[:got]) == data[2 * MiB:4 * MiB]
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("mode", ["rewrite", "append"])
+def test_a_nas_file_written_during_a_copy_over_sftp_is_never_staged_torn(sshd, tmp_path, mode):
+    """A real process rewrites (or appends to) a NAS file while `stage mirror` copies it over SFTP,
+    reading ahead: the bytes read ahead do not let a torn copy through. The copy is refused and
+    nothing is staged; once the writer stops, the same command stages the file as it now is."""
+    nas = Hub(tmp_path / "nas")
+    snap = nas.repo("acme/Weights").snapshot()
+    real = snap.add_real("weights.bin", os.urandom(96 * MiB))
+    snap.finish(trees=False)
+    local = tmp_path / "nvme"
+    manifest = write_manifest(tmp_path / "m.toml", nas.root, local, {"acme/Weights": {}})
+    manifest.write_text(manifest.read_text().replace(f'hub = "{nas.root}"', f'hub = "{sshd.url(nas.root)}"', 1))
+    writer = source_writer(real, mode, local)
+    try:
+        result = run_stage("mirror", "--node", "dgx1", "--manifest", manifest, "--json")
+    finally:
+        writer.kill()
+        writer.wait()
+    staged = local / "models--acme--Weights" / "snapshots" / snap.commit / "weights.bin"
+    assert "Traceback" not in result.stderr
+    assert result.code == 1, "a file written throughout the copy was accepted"
+    assert any(p["kind"] == "mismatch" and "changed while it was copied" in p["detail"]
+               for p in result.json["problems"]), result.json["problems"]
+    assert not staged.exists()
+    assert temp_files(local) == []
+    again = run_stage("mirror", "--node", "dgx1", "--manifest", manifest, "--json")
+    assert again.code == 0, again.stdout + again.stderr
+    assert sha256_file(staged) == sha256_file(real)
