@@ -10,7 +10,7 @@ DIR/cluster.toml for it, and prints the manifest's path:
     hubgen.py hub DIR --size 8GiB --files 4          one model of that size in that many weight files
     hubgen.py engram DIR --rows 100000 --world 8     an Engram checkpoint, and a node that packs it
 
-As a library (tests, scripts/bench.py): Hub, Snapshot, add_engram_checkpoint, build_demo, ...
+As a library (tests, scripts/lab/bench.py): Hub, Snapshot, add_engram_checkpoint, build_demo, ...
 """
 
 from __future__ import annotations
@@ -448,7 +448,7 @@ world = {world}
 
 
 def _size(text: str) -> int:
-    from stager.units import parse_size
+    from stager.base.units import parse_size
 
     try:
         return parse_size(text)

@@ -18,10 +18,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
-from stager import identity
-from stager.errors import BadInput
-from stager.small_files import read_regular
-from stager.units import parse_duration, parse_size
+from stager.base import identity
+from stager.base.errors import BadInput
+from stager.base.small_files import read_regular
+from stager.base.units import parse_duration, parse_size
 
 DEFAULT_MANIFEST = Path("manifests/cluster.toml")
 MANIFEST_ENV = "STAGE_MANIFEST"

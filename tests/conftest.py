@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path[:0] = [str(REPO / "scripts"), str(REPO / "scripts" / "lab")]
+# Test modules are grouped by subsystem (tests/<package>/); a few share helpers across groups
+# (`holding`, `make_demo`, `offline_load`), imported by module name from any folder.
+for group in sorted((REPO / "tests").iterdir()):
+    if group.is_dir() and not group.name.startswith((".", "_")):
+        sys.path.insert(1, str(group))
 
 from hubgen import Hub  # noqa: E402
 

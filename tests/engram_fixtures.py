@@ -22,7 +22,7 @@ import safetensors
 
 from conftest import run_stage, write_manifest
 from hubgen import Hub, add_engram_checkpoint
-from stager import mirror as mirror_core
+from stager.mirror import pipeline as mirror_core
 from stager.manifest import load_manifest
 
 FLASH = "acme/Flash-3bpw"

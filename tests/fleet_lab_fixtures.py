@@ -1,4 +1,4 @@
-"""The namespace lab (scripts/fleet_lab.py) as a pytest fixture, and what the lab tests measure:
+"""The namespace lab (scripts/lab/fleet_lab.py) as a pytest fixture, and what the lab tests measure:
 the real `stage fleet` CLI driven against it, the NAS's bytes from its veth's counters and from
 sftp-server's own log, and every staged byte checked by SHA-256 against the NAS's files.
 

@@ -26,7 +26,7 @@ import pytest
 
 from conftest import Result, run_stage, sha256_file, write_manifest
 from hubgen import Hub, Snapshot, add_engram_checkpoint, pseudo_random, random_safetensors
-from stager.atomic import is_temp_name
+from stager.base.atomic import is_temp_name
 
 MiB = 1024 * 1024
 MODEL = "acme/Weights"

@@ -16,8 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager import hints
-from stager.errors import EXIT_BAD_INPUT, BadInput, StageError, ending
+from stager.base import hints
+from stager.base.errors import EXIT_BAD_INPUT, BadInput, StageError, ending
 from stager.manifest import MAX_TP  # the manifest's bound on world, ranks and layers
 
 _HELP_NAMES = ["-h", "--help"]
@@ -50,7 +50,7 @@ NodeOpt = Annotated[str, typer.Option("--node", metavar="NAME", help="Node name 
 OptionalNodeOpt = Annotated[Optional[str], typer.Option("--node", metavar="NAME",
                                                         help="Node name from the manifest's [nodes] table")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n", help="List what would be done and why; change nothing")]
-# Every command takes both (tests/test_cli_contract.py checks): the level is read from the parsed
+# Every command takes both (tests/cli/test_cli_contract.py checks): the level is read from the parsed
 # command line before the command runs (see _shell_contract), so the commands never see them.
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", expose_value=False,
                                         help="Only the result and errors: no progress bar, no notes")]
@@ -130,7 +130,7 @@ def _announce(signalled: Signalled) -> None:
     """The run's one stderr line, at once: a Ctrl-C with copies in flight was silent for as long
     as they took. Written straight to the descriptor: the signal may have arrived in the middle of
     a write to sys.stderr, which a second write through the same buffer would refuse."""
-    from stager.workers import in_flight
+    from stager.base.workers import in_flight
 
     busy = ", ".join(f"{n} {noun if n != 1 else _singular(noun)}" for noun, n in sorted(in_flight().items()))
     line = f"stage: {signalled.message}" + (f", stopping {busy} in flight..." if busy else "")
@@ -331,7 +331,7 @@ def _plain_conversions(command) -> None:
 
         def _one(self, value, param, ctx):
             if self.convert in (int, float):
-                from stager.units import parse_number
+                from stager.base.units import parse_number
 
                 try:
                     return parse_number(value, self.convert, self.parameter_info.min, self.parameter_info.max)

@@ -22,8 +22,8 @@ def archive(
     """Copy SRC files to DEST, hash both sides, record SHA256SUMS and MOVED.txt, then delete the sources.
 
     The manifest is optional: when one is found, a DEST on its NAS hub or alias targets is refused."""
-    from stager import archive as core
-    from stager.errors import BadInput, StageError
+    from stager.housekeeping import archive as core
+    from stager.base.errors import BadInput, StageError
 
     if len(paths) < 2:
         raise BadInput("stage archive needs at least one SRC and a DEST")

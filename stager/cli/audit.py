@@ -20,7 +20,7 @@ def audit(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Will staging fit? Free space, bytes still needed, orphans. Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN."""
-    from stager import audit as core
+    from stager.housekeeping import audit as core
 
     report = core.run_audit(manifest, node, prom)
     if json:

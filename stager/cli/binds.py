@@ -23,8 +23,8 @@ def binds(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Print the bind mounts that give a container the node's models, staged files first."""
-    from stager import binds as core
-    from stager.errors import BadInput
+    from stager.housekeeping import binds as core
+    from stager.base.errors import BadInput
     from stager.manifest import load_manifest
 
     if format not in ("docker", "json"):

@@ -29,7 +29,7 @@ def mirror(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Mirror the node's models into its local hub, then verify them."""
-    from stager import mirror as core
+    from stager.mirror import pipeline as core
     from stager.manifest import load_manifest
 
     job = core.node_job(load_manifest(manifest), node, model, jobs=jobs or core.default_jobs(), seed=seed,

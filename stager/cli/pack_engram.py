@@ -8,7 +8,7 @@ import typer
 
 from stager.cli.app import DryRunOpt, JsonOpt, LayerOpt, ManifestOpt, OptionalNodeOpt, QuietOpt, RankOpt, VerboseOpt, WorldOpt, app
 from stager.cli import terminal
-from stager.errors import StageError
+from stager.base.errors import StageError
 
 
 @app.command("pack-engram")

@@ -27,7 +27,7 @@ def prune(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Give disk space back: interrupted temps, orphans, revisions and repos the manifest no longer wants, other-TP shards."""
-    from stager import prune as core
+    from stager.housekeeping import prune as core
 
     report = core.run_prune(manifest, node, dry_run=dry_run, until_free=until_free, only=tuple(only or ()))
     if json:

@@ -16,9 +16,9 @@ from typing import Callable
 
 import typer
 
-from stager.errors import EXIT_OK, EXIT_PROBLEMS
-from stager.text import printable
-from stager.units import format_size
+from stager.base.errors import EXIT_OK, EXIT_PROBLEMS
+from stager.base.text import printable
+from stager.base.units import format_size
 
 _json_emitted = False
 

@@ -25,10 +25,10 @@ def verify(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Check that every staged file is local, linked correctly, and matches the source."""
-    from stager import mirror as core
-    from stager.errors import BadInput
+    from stager.mirror import pipeline as core
+    from stager.base.errors import BadInput
     from stager.manifest import load_manifest
-    from stager.verify import Subset
+    from stager.mirror.verify import Subset
 
     try:
         chosen = Subset.parse(subset) if subset else None

@@ -3,7 +3,7 @@
 A DeepSeek-V4 Engram table is two tensors per layer in one safetensors file:
 `<prefix>layers.{L}.engram.embed.weight` (F8_E4M3, [rows, 256]) and `….scale` (F8_E8M0,
 [rows, 8]). The geometry is derived, never hard-coded: the index's weight_map names the
-tensors, each file's header (parsed without trusting it, stager/safetensors_header.py) gives
+tensors, each file's header (parsed without trusting it, stager/mirror/safetensors_header.py) gives
 dtype, shape and byte span, and config.json's `engram_layer_ids` is cross-checked.
 
 Trust: the staged snapshot is read first and believed only as far as it parses. When it cannot
@@ -18,12 +18,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stager import hints
+from stager.base import hints
 from stager.engram.shard_format import SCALE_BYTES, SCALE_DTYPE, WEIGHT_BYTES, WEIGHT_DTYPE
-from stager.errors import BadInput, CannotRun
-from stager.hub import Entry, LinkError, is_excluded, repo_dir_name, resolve_chain, resolve_revision
+from stager.base.errors import BadInput, CannotRun
+from stager.mirror.hub import Entry, LinkError, is_excluded, repo_dir_name, resolve_chain, resolve_revision
 from stager.manifest import Manifest
-from stager.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+from stager.mirror.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 from stager.sources import open_source
 from stager.sources.base import Source
 from stager.sources.local import LocalSource

@@ -18,18 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from stager import hints
+from stager.base import hints
 from stager.engram.checkpoint import Checkpoint, open_checkpoint
 from stager.engram.node_shards import node_ranks, shard_specs
 from stager.engram.receipts import RECEIPT_KEYS, read_receipt, receipt_for
 from stager.engram.row_stream import iter_rows, read_exact, read_row
 from stager.engram.shard_format import HEADER_BYTES, ROW_BYTES, ShardSpec, describe_header, parse_shard_name
-from stager.errors import BadInput, CannotRun
-from stager.hub import Problem
+from stager.base.errors import BadInput, CannotRun
+from stager.mirror.hub import Problem
 from stager.manifest import Manifest
-from stager.records import SUMS_NAME, read_sums
+from stager.mirror.records import SUMS_NAME, read_sums
 from stager.sources.local import LocalReader
-from stager.verify import VerifyReport
+from stager.mirror.verify import VerifyReport
 
 SAMPLE_ROWS = 64  # seeded rows per sampled check, plus both boundary rows
 

@@ -7,7 +7,7 @@ The packer relies on that to read a table once for all of a node's ranks.
 
 from __future__ import annotations
 
-from stager.errors import BadInput
+from stager.base.errors import BadInput
 
 LAYOUTS = ("floor", "heads")
 

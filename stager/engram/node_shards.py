@@ -13,7 +13,7 @@ from pathlib import Path
 from stager.engram.checkpoint import Checkpoint, engram_config, open_checkpoint
 from stager.engram.layouts import partition
 from stager.engram.shard_format import ShardSpec
-from stager.errors import BadInput
+from stager.base.errors import BadInput
 from stager.manifest import Manifest
 
 

@@ -25,20 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from stager.atomic import atomic_file, check_writable, ensure_dir, fsync_dir, open_for_write, sweep_temps
+from stager.base.atomic import atomic_file, check_writable, ensure_dir, fsync_dir, open_for_write, sweep_temps
 from stager.engram.checkpoint import Checkpoint, open_checkpoint
 from stager.engram.checks import check_shard
 from stager.engram.node_shards import refuse_engram_dir_on_nas, shard_specs, target
 from stager.engram.receipts import read_receipt, write_receipt
 from stager.engram.row_stream import iter_rows
 from stager.engram.shard_format import HEADER_BYTES, ROW_BYTES, ShardSpec
-from stager.errors import CannotRun
-from stager.lock import ENGRAM_LOCK, writer_lock
+from stager.base.errors import CannotRun
+from stager.base.lock import ENGRAM_LOCK, writer_lock
 from stager.manifest import Manifest
-from stager.mirror import free_bytes
-from stager.records import SUMS_NAME, read_sums, update_sums
+from stager.mirror.pipeline import free_bytes
+from stager.mirror.records import SUMS_NAME, read_sums, update_sums
 from stager.sources.local import DIRECT_ALIGN, reopen_direct
-from stager.units import format_size
+from stager.base.units import format_size
 
 WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every 32 MiB
 

@@ -12,10 +12,10 @@ import json
 import time
 
 from stager import __version__
-from stager.atomic import atomic_write_bytes
+from stager.base.atomic import atomic_write_bytes
 from stager.engram.checkpoint import Checkpoint
 from stager.engram.shard_format import ROW_BYTES, ShardSpec
-from stager.small_files import read_regular
+from stager.base.small_files import read_regular
 
 # Keys that must equal what this run would write; anything else (tool version, time) is history.
 RECEIPT_KEYS = ("model", "commit", "source_file", "source_blob", "layer", "rank", "world", "layout",

@@ -28,7 +28,7 @@ from stager.engram.checkpoint import EngramTable
 from stager.engram.shard_format import ROW_BYTES, SCALE_BYTES, WEIGHT_BYTES
 
 assert WEIGHT_BYTES % 8 == 0 and SCALE_BYTES == 8  # the 8-byte-word interleave below relies on both
-from stager.errors import CannotRun
+from stager.base.errors import CannotRun
 from stager.sources.local import DIRECT_ALIGN, LocalReader, aligned_buffer
 
 # 16384 rows per chunk: 4 MiB reads from the weight span (large enough for NFS with --from-nas),

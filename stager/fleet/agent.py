@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Callable
 
-from stager.errors import EXIT_OK, EXIT_PROBLEMS, ending
+from stager.base.errors import EXIT_OK, EXIT_PROBLEMS, ending
 from stager.fleet.broadcast.relay import Relay
 from stager.fleet.node import LABEL, LOCK_WAIT
 
@@ -34,9 +34,10 @@ class NodeAgent:
     (open, run, progress, reroute, close); the driver calls `plan` and `finish`."""
 
     def __init__(self, node: str, manifest_path: str, seed: int):
-        from stager import hints, mirror
+        from stager.base import hints
+        from stager.mirror import pipeline as mirror
         from stager.manifest import load_manifest
-        from stager.observe import DigestCache
+        from stager.mirror.observe import DigestCache
 
         manifest = load_manifest(manifest_path)
         hints.use_manifest(manifest_path)  # a `repair:` line in a report names the run's manifest
@@ -50,7 +51,7 @@ class NodeAgent:
 
     def plan(self, budget: float) -> dict:
         """`stage mirror --dry-run`: what this node would copy, and why."""
-        from stager.mirror import mirror
+        from stager.mirror.pipeline import mirror
 
         return _answer(lambda: mirror(self.job, full=False, dry_run=True, digests=self.digests), budget)
 
@@ -58,7 +59,7 @@ class NodeAgent:
         """The closing `stage mirror`, once the relay has let go of the hub's lock: what the
         broadcast landed is found present and checked; the rest comes from the NAS; links,
         metadata and, last, the refs are written; all is verified against the NAS's samples."""
-        from stager.mirror import mirror
+        from stager.mirror.pipeline import mirror
 
         return _answer(lambda: mirror(self.job, full=False, dry_run=False, wait=LOCK_WAIT, digests=self.digests),
                        budget)

@@ -19,7 +19,7 @@ import stat
 import threading
 from pathlib import Path
 
-from stager.errors import CannotRun
+from stager.base.errors import CannotRun
 from stager.fleet.report import ALLOW_OPEN
 
 # ray.init retries a dead GCS address forever; joining a live cluster takes a few seconds.

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from stager.errors import EXIT_CANNOT_RUN, EXIT_OK, BadInput
+from stager.base.errors import EXIT_CANNOT_RUN, EXIT_OK, BadInput
 from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
 from stager.fleet.node import LABEL, LOCK_WAIT, node_argv, run_on_node
 from stager.fleet.report import BYTES_KEY, STATUS, Delivery, FleetReport, NodeRun, unreachable
@@ -199,7 +199,7 @@ def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, .
         return ()
     if command != "verify":
         raise BadInput(f"--full and --subset apply to `stage fleet verify` only, not {command}")
-    from stager.verify import Subset
+    from stager.mirror.verify import Subset
 
     try:
         chosen = Subset.parse(subset) if subset is not None else None
@@ -214,7 +214,7 @@ def prune_options(command: str, prune: PruneOptions) -> tuple[str, ...]:
         return ()
     if command != "prune":
         raise BadInput(f"--dry-run, --until-free and --only apply to `stage fleet prune` only, not {command}")
-    from stager.prune import check_kinds, parse_until_free
+    from stager.housekeeping.prune import check_kinds, parse_until_free
 
     parse_until_free(prune.until_free)
     check_kinds(prune.only)

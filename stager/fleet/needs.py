@@ -12,7 +12,7 @@ keeps it) and so neither receives it nor makes the others wait for it.
 
 from __future__ import annotations
 
-from stager.fingerprint import HEAD_BYTES, INTERIOR_BYTES, INTERIOR_CHUNKS, TAIL_BYTES
+from stager.mirror.fingerprint import HEAD_BYTES, INTERIOR_BYTES, INTERIOR_CHUNKS, TAIL_BYTES
 from stager.fleet.broadcast.relay import Share
 from stager.fleet.report import NodeRun
 from stager.manifest import Manifest

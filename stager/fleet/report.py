@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stager.errors import EXIT_CANNOT_RUN, EXIT_OK
-from stager.units import format_size
+from stager.base.errors import EXIT_CANNOT_RUN, EXIT_OK
+from stager.base.units import format_size
 
 ALLOW_OPEN = "--allow-unauthenticated-cluster"
 # What the table's "bytes" column shows for each command (verify moves no bytes; prune: bytes freed).

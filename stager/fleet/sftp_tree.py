@@ -10,7 +10,7 @@ inside each node's own `stage mirror`; this module only says who serves whom.
 
 from __future__ import annotations
 
-from stager.errors import EXIT_OK
+from stager.base.errors import EXIT_OK
 from stager.fleet.report import NodeRun, unreachable
 from stager.manifest import Manifest
 

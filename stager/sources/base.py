@@ -15,7 +15,7 @@ import stat
 from dataclasses import dataclass
 from typing import Protocol
 
-from stager.errors import CannotRun
+from stager.base.errors import CannotRun
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import os
 import stat
 from pathlib import Path
 
-from stager import identity
-from stager.errors import CannotRun
-from stager.small_files import read_regular_head
+from stager.base import identity
+from stager.base.errors import CannotRun
+from stager.base.small_files import read_regular_head
 from stager.sources.base import Stat, absolute_to_rel, reaching, relative_inside, stat_from_os
 
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from stager.errors import BadInput, CannotRun
+from stager.base.errors import BadInput, CannotRun
 from stager.sources.base import Stat, absolute_to_rel, relative_inside, stat_from_mode
-from stager.units import parse_number
+from stager.base.units import parse_number
 
 SSH_KEY_ENV = "STAGE_SSH_KEY"
 KNOWN_HOSTS_ENV = "STAGE_SSH_KNOWN_HOSTS"
@@ -53,7 +53,7 @@ SESSIONS_PER_CONNECTION = 8
 WINDOW_BYTES = 64 * 1024 * 1024
 # Reads of 255 KiB (OpenSSH's sftp-server's largest answer) in SSH packets that hold one whole:
 # paramiko's per-packet work is most of its CPU, and with 32 KiB reads in 32 KiB packets a read of
-# the NAS cost 3.3 CPU s per GB in the client against 2.3 s (both with AES-CTR; scripts/bench.py
+# the NAS cost 3.3 CPU s per GB in the client against 2.3 s (both with AES-CTR; scripts/lab/bench.py
 # has no sftp case: a loopback sshd, 256 MiB, medians of 5). A server that answers less is asked
 # for the rest, and from then on for what it answered (every server answers 32 KiB, the draft's
 # minimum maximum).

@@ -37,14 +37,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.copier import DirectWriter, SourceChanged
-from stager.errors import CannotRun
-from stager.execute import land_verified, writable_dir
-from stager.fingerprint import Digest, Reference, sampled_digest
+from stager.mirror.copier import DirectWriter, SourceChanged
+from stager.base.errors import CannotRun
+from stager.mirror.execute import land_verified, writable_dir
+from stager.mirror.fingerprint import Digest, Reference, sampled_digest
 from stager.fleet.broadcast.keys import MAC_BYTES, Refused, admit, chunk_mac, join, mac_ok, recv_exact
-from stager.lock import HUB_LOCK, writer_lock
-from stager.observe import DigestCache
-from stager.plan import CopyFile
+from stager.base.lock import HUB_LOCK, writer_lock
+from stager.mirror.observe import DigestCache
+from stager.mirror.plan import CopyFile
 from stager.sources.local import aligned_buffer
 
 log = logging.getLogger("stager.fleet.broadcast")

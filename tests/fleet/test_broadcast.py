@@ -1,0 +1,352 @@
+"""The broadcast's relays on real sockets: three relays in this process, a NAS on a local path,
+and real processes in between (a man in the middle that flips a byte, strangers without the
+key). The fleet-level runs, on a real Ray cluster, are in test_fleet.py."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from stager.fleet.broadcast.keys import mint
+from stager.fleet.broadcast.relay import CHUNK, Relay, Session, Share
+from stager.base.lock import HUB_LOCK
+from stager.mirror.observe import DigestCache
+from stager.sources import open_source
+
+MiB = 1024 * 1024
+SEED = 7
+
+# A real process between two relays: it forwards both ways and flips one byte of what the
+# upstream sends, once, at the given offset of the stream (past the handshake, inside a chunk),
+# or (flip_at -1) passes the upstream's bytes on at `rate` bytes/s: a slow link.
+MAN_IN_THE_MIDDLE = r"""
+import socket, sys, threading, time
+target, flip_at = int(sys.argv[1]), int(sys.argv[2])
+rate = float(sys.argv[3]) if len(sys.argv) > 3 else 0
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+flipped = False
+def pipe(src, dst, corrupt):
+    global flipped
+    seen = 0
+    while True:
+        data = src.recv(1 << 16)
+        if not data:
+            break
+        if corrupt and not flipped and seen <= flip_at < seen + len(data):
+            data = bytearray(data); data[flip_at - seen] ^= 0xFF; data = bytes(data); flipped = True
+        seen += len(data)
+        dst.sendall(data)
+        if corrupt and rate:
+            time.sleep(len(data) / rate)
+    dst.close()
+while True:
+    client, _ = server.accept()
+    upstream = socket.create_connection(("127.0.0.1", target))
+    threading.Thread(target=pipe, args=(upstream, client, True), daemon=True).start()
+    threading.Thread(target=pipe, args=(client, upstream, False), daemon=True).start()
+"""
+
+# A stranger: connects, answers the challenge with random bytes (or with a proof made from a
+# wrong key), then reports every byte it got after the greeting.
+STRANGER = r"""
+import os, socket, sys
+from stager.fleet.broadcast import keys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
+if sys.argv[2] == "wrong-key":
+    try:
+        keys.join(sock, os.urandom(32), os.urandom(16))
+        print("joined")
+    except (keys.Refused, ConnectionError, OSError) as exc:
+        print("refused:", type(exc).__name__)
+else:
+    keys.recv_exact(sock, len(keys.GREETING) + keys.NONCE_BYTES)
+    sock.sendall(os.urandom(64) + b"\0" * 64)  # no proof, then what a request would look like
+    rest = b""
+    while True:
+        try:
+            got = sock.recv(65536)
+        except OSError:
+            break
+        if not got:
+            break
+        rest += got
+    print("after the greeting:", len(rest))
+"""
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def nas(tmp_path) -> dict:
+    """Two files on a local NAS: one of several chunks with a short last one, one small."""
+    root = tmp_path / "nas"
+    files = {}
+    for name, size in (("big", 2 * CHUNK + 12345), ("small", 3 * MiB)):
+        data = os.urandom(size)
+        digest = hashlib.sha256(data).hexdigest()
+        path = root / "models--acme--m" / "blobs" / digest
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        files[name] = Share(f"models--acme--m/blobs/{digest}", f"models--acme--m/blobs/{digest}", size)
+    return {"root": root, "files": (files["big"], files["small"])}
+
+
+def relays(tmp_path: Path, nas: dict, key: bytes, run_id: bytes, names=("a", "b", "c"),
+           nas_for=lambda name, source: source) -> dict[str, tuple]:
+    """A relay per name, each with its own view of the NAS (`nas_for` may wrap it) and digests
+    sampled with the run's seed, as each node's agent gives its relay."""
+    out = {}
+    for name in names:
+        digests = DigestCache(nas_for(name, open_source(str(nas["root"]), {})), SEED)
+        relay = Relay(name, str(tmp_path / name / "hub"), digests, ())
+        out[name] = (relay, relay.open("127.0.0.1", None, key, run_id))
+    return out
+
+
+def run_all(running: dict, session: Session) -> dict[str, dict]:
+    """Every relay's run of the session at once, each in a thread named after its node."""
+    results: dict[str, dict] = {}
+
+    def one(name):
+        results[name] = running[name][0].run(session, True)
+
+    threads = [threading.Thread(target=one, args=(name,), name=name) for name in running]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def assert_landed(tmp_path: Path, name: str, nas: dict) -> None:
+    for share in nas["files"]:
+        landed = tmp_path / name / "hub" / share.dest
+        assert sha256(landed) == sha256(nas["root"] / share.source), (name, share.dest)
+
+
+def run_with_a_flip(tmp_path: Path, nas: dict, flip_at: int, **options) -> dict[str, dict]:
+    """a -> (man in the middle, flipping the byte at `flip_at` of what a sends) -> b -> c."""
+    key, run_id = mint()
+    running = relays(tmp_path, nas, key, run_id, **options)
+    middle = subprocess.Popen([sys.executable, "-c", MAN_IN_THE_MIDDLE, str(running["a"][1]), str(flip_at)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        chain = (("a", "127.0.0.1", int(middle.stdout.readline())), ("b", "127.0.0.1", running["b"][1]),
+                 ("c", "127.0.0.1", running["c"][1]))
+        return run_all(running, Session(0, nas["files"], chain))
+    finally:
+        middle.kill()
+        middle.wait()
+        for relay, _ in running.values():
+            relay.close()
+
+
+def test_a_byte_flipped_on_the_wire_is_refused_the_sender_named_and_the_chunk_fetched_again(tmp_path, nas):
+    results = run_with_a_flip(tmp_path, nas, 200_000)  # inside the first chunk's bytes
+    total = sum(share.size for share in nas["files"])
+    assert results["a"]["nas_bytes"] == total and results["a"]["bad_senders"] == []
+    # b refused the bad chunk, named a, and (no other holder before it) read the rest from the NAS.
+    assert results["b"]["bad_senders"] == ["a"] and results["b"]["nas_bytes"] == total
+    assert results["b"]["peer_bytes"] == 0 and results["b"]["landed_files"] == 2
+    assert results["c"] == {"peer_bytes": total, "nas_bytes": 0, "landed_files": 2, "fallbacks": [],
+                            "bad_senders": [], "upstreams": ["b"]}
+    for name in results:
+        assert_landed(tmp_path, name, nas)
+        # Nothing but the landed files: no temp file left, the lock free.
+        blobs = tmp_path / name / "hub" / "models--acme--m" / "blobs"
+        assert sorted(os.listdir(blobs)) == sorted(Path(share.dest).name for share in nas["files"])
+        assert (tmp_path / name / "hub" / HUB_LOCK).exists()
+
+
+class _CountingSource:
+    """The relay's real NAS source, counting the bytes its readers return (per relay)."""
+
+    def __init__(self, source, tally: dict, name: str):
+        self.source, self.tally, self.name = source, tally, name
+
+    def open(self, rel, **options):
+        return _CountingReader(self.source.open(rel, **options), self.tally, self.name)
+
+    def __getattr__(self, attribute):
+        return getattr(self.source, attribute)
+
+
+class _CountingReader:
+    def __init__(self, reader, tally: dict, name: str):
+        self.reader, self.tally, self.name = reader, tally, name
+
+    def pread(self, length, offset):
+        data = self.reader.pread(length, offset)
+        self.tally[self.name] = self.tally.get(self.name, 0) + len(data)
+        return data
+
+    def readinto_at(self, view, offset):
+        got = self.reader.readinto_at(view, offset)
+        self.tally[self.name] = self.tally.get(self.name, 0) + got
+        return got
+
+    def __getattr__(self, attribute):
+        return getattr(self.reader, attribute)
+
+
+def test_only_the_node_that_reads_the_nas_samples_it_and_its_sample_is_keyed(tmp_path, nas):
+    """a -> b -> c: a reads every byte and samples the NAS; b and c check their copies against
+    the sample a sends after each file and read nothing from the NAS. Then a byte of that sample
+    is flipped on the wire to b: b refuses it, names a, and samples the NAS itself."""
+    from stager.fleet.broadcast import keys, relay as relay_module
+
+    tally: dict[str, int] = {}
+
+    def counted(name, source):
+        return _CountingSource(source, tally, name)
+
+    total = sum(share.size for share in nas["files"])
+    key, run_id = mint()
+    running = relays(tmp_path / "clean", nas, key, run_id, nas_for=counted)
+    try:
+        chain = tuple((name, "127.0.0.1", running[name][1]) for name in ("a", "b", "c"))
+        results = run_all(running, Session(0, nas["files"], chain))
+    finally:
+        for relay, _ in running.values():
+            relay.close()
+    assert results["a"]["nas_bytes"] == total and total < tally["a"] < 2 * total, tally
+    assert "b" not in tally and "c" not in tally, tally
+    assert [results[name]["peer_bytes"] for name in ("b", "c")] == [total, total]
+    for name in running:
+        assert_landed(tmp_path / "clean", name, nas)
+
+    # The big file's sample follows its three chunks on the a -> b stream.
+    big = nas["files"][0]
+    handshake = len(keys.GREETING) + keys.NONCE_BYTES + keys.MAC_BYTES
+    frame = relay_module.FRAME.size
+    inside_sample = handshake + 3 * frame + big.size + frame + 5
+    tally.clear()
+    results = run_with_a_flip(tmp_path / "flipped", nas, inside_sample, nas_for=counted)
+    assert results["b"]["bad_senders"] == ["a"] and results["b"]["landed_files"] == 2, results["b"]
+    assert results["b"]["peer_bytes"] == total - nas["files"][1].size  # the small file: from the NAS
+    assert tally.get("b", 0) > nas["files"][1].size, tally  # and the big file's sample, taken by b itself
+    assert results["c"]["bad_senders"] == [] and "c" not in tally, (results["c"], tally)
+    for name in results:
+        assert_landed(tmp_path / "flipped", name, nas)
+
+
+def test_strangers_are_refused_before_any_data_and_logged(tmp_path, nas):
+    key, run_id = mint()
+    running = relays(tmp_path, nas, key, run_id, names=("a", "b"))
+    port = running["a"][1]
+    try:
+        strangers = [subprocess.run([sys.executable, "-c", STRANGER, str(port), kind], capture_output=True, text=True,
+                                    timeout=60) for kind in ("no-key", "wrong-key")]
+        chain = tuple((name, "127.0.0.1", running[name][1]) for name in ("a", "b"))
+        results = run_all(running, Session(0, nas["files"], chain))
+    finally:
+        refused = running["a"][0].close()["refused"]
+        running["b"][0].close()
+    assert strangers[0].stdout.strip() == "after the greeting: 0", strangers[0].stderr
+    assert strangers[1].stdout.strip() == "refused: ConnectionError", strangers[1].stderr
+    assert len(refused) == 2 and all(line.endswith(": it did not prove the run's key") for line in refused), refused
+    # The members, holding the key, still got every byte.
+    assert results["b"]["peer_bytes"] == sum(share.size for share in nas["files"])
+    assert_landed(tmp_path, "b", nas)
+
+
+def test_a_downstream_whose_upstream_dies_resumes_from_the_next_holder(tmp_path, nas):
+    """b is gone before it sends a byte (its port closed): c takes the whole session from a."""
+    key, run_id = mint()
+    running = relays(tmp_path, nas, key, run_id)
+    dead_relay, dead_port = running.pop("b")
+    dead_relay.close()
+    chain = (("a", "127.0.0.1", running["a"][1]), ("b", "127.0.0.1", dead_port), ("c", "127.0.0.1", running["c"][1]))
+    try:
+        results = run_all(running, Session(0, nas["files"], chain))
+    finally:
+        for relay, _ in running.values():
+            relay.close()
+    assert results["c"]["upstreams"] == ["a"] and results["c"]["peer_bytes"] == sum(s.size for s in nas["files"])
+    assert results["c"]["bad_senders"] == []
+    assert_landed(tmp_path, "c", nas)
+
+
+def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_path, nas):
+    """b's inbound link runs at 2 MiB/s. Once the chain is rerouted to a -> c -> b (the driver's
+    decision, see test_the_driver_moves_the_first_laggard), c hangs up on b at once, takes its
+    chunks from a and finishes long before b, which is then served by c from disk."""
+    from stager.fleet.broadcast.relay import CHUNK as chunk
+
+    key, run_id = mint()
+    running = relays(tmp_path, nas, key, run_id)
+    # b's own inbound link is slow, whoever sends: b dials a and c through throttling processes.
+    slow = {name: subprocess.Popen([sys.executable, "-c", MAN_IN_THE_MIDDLE, str(running[name][1]), "-1",
+                                    str(2 * MiB)], stdout=subprocess.PIPE, text=True) for name in ("a", "c")}
+    finished: dict[str, float] = {}
+    try:
+        hops = {"a": ("a", "127.0.0.1", running["a"][1]), "b": ("b", "127.0.0.1", running["b"][1]),
+                "c": ("c", "127.0.0.1", running["c"][1])}
+        b_view = {**hops, **{name: (name, "127.0.0.1", int(proc.stdout.readline())) for name, proc in slow.items()}}
+        results: dict[str, dict] = {}
+
+        def one(name, chain):
+            results[name] = running[name][0].run(Session(0, nas["files"], chain), True)
+            finished[name] = time.monotonic()
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=one, args=(name, chain)) for name, chain in (
+            ("a", (hops["a"], hops["b"], hops["c"])), ("b", (b_view["a"], hops["b"], hops["c"])),
+            ("c", (hops["a"], hops["b"], hops["c"])))]
+        for thread in threads:
+            thread.start()
+        while running["b"][0].progress(0) < 1 and time.monotonic() - started < 30:
+            time.sleep(0.05)
+        rerouted = time.monotonic()
+        running["c"][0].reroute(0, (hops["a"], hops["c"], hops["b"]))
+        running["b"][0].reroute(0, (b_view["a"], b_view["c"], hops["b"]))
+        for thread in threads:
+            thread.join(60)
+    finally:
+        for proc in slow.values():
+            proc.kill()
+            proc.wait()
+        for relay, _ in running.values():
+            relay.close()
+    total = sum(share.size for share in nas["files"])
+    assert results["c"]["upstreams"][-1] == "a" and results["c"]["peer_bytes"] == total, results
+    assert results["b"]["upstreams"][-1] == "c" and results["b"]["peer_bytes"] == total, results
+    # c did not wait for b: at 2 MiB/s b needs about 6 s for the data, and 2 s for its next chunk,
+    # which c, waiting on b when rerouted, once waited for before it asked a.
+    assert finished["c"] < finished["b"], (finished, started, results)
+    assert finished["c"] - rerouted < 0.6 * chunk / (2 * MiB), (finished, rerouted)
+    for name in running:
+        assert_landed(tmp_path, name, nas)
+
+
+def test_the_driver_moves_the_first_laggard():
+    from stager.fleet.broadcast.chain import LAG_MIN_CHUNKS, laggard
+
+    names = ["a", "b", "c", "d"]
+    full, slow = 1.5, 0.4  # chunks per second over the last looks
+    fast = dict.fromkeys(names, full)
+    healthy = {"a": LAG_MIN_CHUNKS * 4, "b": LAG_MIN_CHUNKS * 4 - 1, "c": LAG_MIN_CHUNKS * 3, "d": LAG_MIN_CHUNKS * 3}
+    assert laggard(names, healthy, fast, fast, set()) is None
+    behind = {**healthy, "b": LAG_MIN_CHUNKS * 2, "c": LAG_MIN_CHUNKS, "d": LAG_MIN_CHUNKS}
+    trailing = {"a": full, "b": slow, "c": slow, "d": slow}
+    assert laggard(names, behind, trailing, trailing, set()) == "b"
+    assert laggard(names, behind, trailing, trailing, {"b"}) is None  # once per node; c only trails b
+    # Rerouted off b onto a, c starts b's distance behind a and keeps it at full speed: not slow.
+    assert laggard(["a", "c", "b", "d"], behind, {**trailing, "c": full}, {**trailing, "c": full}, {"b"}) is None
+    # Behind an upstream that has finished (its rate now 0), b still holds c back: moved.
+    done = {**behind, "a": 8 * LAG_MIN_CHUNKS}
+    assert laggard(names, done, {**trailing, "a": 0.0}, trailing, set()) == "b"
+    # Nor early in the run, nor the head (it reads the NAS for everyone), nor the tail.
+    assert laggard(names, {"a": LAG_MIN_CHUNKS - 1, "b": 0, "c": 0, "d": 0}, trailing, trailing, set()) is None
+    assert laggard(names, {"a": LAG_MIN_CHUNKS, "b": LAG_MIN_CHUNKS, "c": LAG_MIN_CHUNKS, "d": 0}, trailing, trailing,
+                   set()) is None

@@ -1,0 +1,800 @@
+"""`stage fleet` on a real local Ray cluster: three labelled nodes on 127.0.0.1, each with its own
+local hub, driven by the real CLI; peers served by a real sshd on 127.0.0.1. The cluster requires
+Ray's token: its head is started with `ray start --head` and RAY_AUTH_MODE=token, as docs/fleet.md
+sets one up."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import run_stage, sha256_file
+from hubgen import Hub, random_safetensors
+from remote_fixtures import SshServer, hub_tree, load_offline, silent_port
+from stager.fleet import LABEL
+from stager.base.lock import HUB_LOCK, LockTable
+
+FLASH = "acme/Flash-3bpw"
+DRAFTER = "acme/Flash-drafter"
+MiB = 1024 * 1024
+NODES = ("dgx1", "dgx2", "dgx3")
+# Without the first, Ray binds to and connects through the host's network interface instead of
+# loopback; the second keeps it from reporting usage statistics to the Ray project.
+RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# Shard size for the fan-out measurement; raise it to measure at a realistic ratio of data to samples.
+FANOUT_MIB = int(os.environ.get("STAGE_TEST_FANOUT_MIB", "4"))
+
+
+# What a driver needs to use the test cluster; run_without_token() removes these.
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Head:
+    """A head node started by `ray start --head --block` (its pid), and its ports."""
+
+    process: subprocess.Popen
+    address: str
+    client_address: str  # the Ray Client server, ray://
+    dashboard_port: int
+    log: Path
+    token: Path | None = None
+
+
+@contextmanager
+def ray_head(temp_dir: Path, label: str, env: dict[str, str]):
+    """`ray start --head` as docs/fleet.md runs it, on loopback: no dashboard, the node's label.
+    Every port it would take by default (6379, 10001, 52365) is a free one, so it can run next
+    to other clusters on the machine. Stopped by SIGTERM to its own pid, never `ray stop`, which
+    stops every Ray process of the user."""
+    port, client_port, dashboard_port = free_port(), free_port(), free_port()
+    log = temp_dir / f"ray-start-{label}.log"
+    argv = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", str(port),
+            "--node-ip-address", "127.0.0.1", "--include-dashboard=false", "--dashboard-port", str(dashboard_port),
+            "--ray-client-server-port", str(client_port), "--dashboard-agent-listen-port", str(free_port()),
+            "--labels", f"{LABEL}={label}", "--num-cpus", "1", "--object-store-memory", str(150 * MiB),
+            "--min-worker-port", "0", "--max-worker-port", "0", "--temp-dir", str(temp_dir / "ray")]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    head = Head(process, f"127.0.0.1:{port}", f"ray://127.0.0.1:{client_port}", dashboard_port, log)
+    try:
+        yield head
+    finally:
+        process.terminate()  # ray start --block stops the processes it started on SIGTERM
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def live_nodes(address: str) -> list[dict]:
+    """The GCS's node table (what ray.nodes() returns), read by this process, which holds the token."""
+    from ray._private.state import GlobalState
+    from ray._raylet import GcsClientOptions
+
+    state = GlobalState()
+    state._initialize_global_state(GcsClientOptions.create(address, None, allow_cluster_id_nil=True,
+                                                           fetch_cluster_id_if_nil=False))
+    return [node for node in state.node_table() if node["Alive"]]
+
+
+def wait_for_labels(head: Head, labels: set[str], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert head.process.poll() is None, head.log.read_text()[-3000:]
+        try:
+            if labels <= {node["Labels"].get(LABEL) for node in live_nodes(head.address)}:
+                return
+        except Exception:  # noqa: BLE001 - the GCS is not up yet
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"Ray nodes {labels} not up within {timeout}s: {head.log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster(sshd):
+    """A head labelled stage-node=dgx1 started by `ray start --head` with RAY_AUTH_MODE=token and a
+    0600 token file, and two more nodes labelled dgx2 and dgx3 joined with the same token. The
+    environment (loopback, the token, the test's SSH keys) is set before Ray starts, so its
+    workers and this process's drivers inherit it."""
+    # Ray's session files go to a directory of this run, short enough for its unix sockets.
+    temp_dir = Path(tempfile.mkdtemp(prefix="stage-ray-", dir="/tmp"))
+    token = temp_dir / "auth_token"
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, secrets.token_hex(32).encode())
+    os.close(fd)
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {**RAY_LOOPBACK, **sshd.env, "RAY_AUTH_MODE": "token",
+                           "RAY_AUTH_TOKEN_PATH": str(token)}.items():
+            env.setenv(key, value)
+        env.delenv("RAY_AUTH_TOKEN", raising=False)
+        try:
+            with ray_head(temp_dir, NODES[0], dict(os.environ)) as head:
+                head.token = token
+                wait_for_labels(head, {NODES[0]})
+                with joined_nodes(head, NODES[1:], temp_dir):
+                    wait_for_labels(head, set(NODES))
+                    env.setenv("RAY_ADDRESS", head.address)
+                    yield head
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def joined_nodes(head: Head, names: tuple[str, ...], temp_dir: Path):
+    """More nodes for the head's cluster, started the way `ray start --address` starts them:
+    `ray start --address` itself refuses to add a node while Ray is kept on loopback
+    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), and without that every Ray port listens on all
+    interfaces. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER and RAY_AUTH_MODE when it is imported,
+    so this process's environment must be set first."""
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+
+    nodes = []
+    try:
+        for name in names:
+            params = RayParams(gcs_address=head.address, node_ip_address="127.0.0.1", num_cpus=1,
+                               labels={LABEL: name}, temp_dir=str(temp_dir / "ray"), object_store_memory=150 * MiB,
+                               min_worker_port=0, max_worker_port=0, include_log_monitor=False, node_manager_port=0)
+            # spawn_reaper: the node's processes die with this one even if it is killed.
+            nodes.append(Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True))
+        yield nodes
+    finally:
+        for node in nodes:
+            node.kill_all_processes(check_alive=False, allow_graceful=True)
+
+
+@pytest.fixture(scope="module")
+def nas(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("fleet")
+    hub = Hub(root / "nas" / "hf" / "hub")
+    flash = hub.repo(FLASH).snapshot()
+    flash.add_git("config.json", b'{"architectures": ["DeepseekV4ForCausalLM"]}')
+    flash.add_lfs("model-00001-of-00002.safetensors", random_safetensors(1, FANOUT_MIB * MiB), shared=True)
+    flash.add_lfs("model-00002-of-00002.safetensors", random_safetensors(2, FANOUT_MIB * MiB + 999), shared=True,
+                  absolute_via="/volume1/hf/hub")
+    flash.add_real("tokenizer.json", b'{"model": {"type": "BPE"}}')
+    flash.finish()
+    drafter = hub.repo(DRAFTER).snapshot()
+    drafter.add_lfs("model.safetensors", random_safetensors(99, MiB), shared=False)
+    drafter.finish()
+    return {"root": root, "hub": hub.root, "snaps": {FLASH: flash, DRAFTER: drafter}}
+
+
+def fleet_manifest(path: Path, nas: dict, nodes_root: Path, sshd: SshServer, *, nas_hub: str | None = None,
+                   extra_nodes: tuple[str, ...] = (), node_extra: dict[str, str] | None = None) -> Path:
+    lines = ["[nas]", f'hub = "{nas_hub or nas["hub"]}"', f'aliases = {{ "/volume1/hf/hub" = "{nas["hub"]}" }}',
+             f'\n[models."{FLASH}"]', f'\n[models."{DRAFTER}"]']
+    for rank, name in enumerate(NODES + extra_nodes):
+        lines += [f"\n[nodes.{name}]", f'hub = "{nodes_root / name / "hub"}"', f'models = ["{FLASH}", "{DRAFTER}"]',
+                  f"rank = {rank}", f'address = "{sshd.address}"', (node_extra or {}).get(name, "")]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def fleet(*args, timeout: float = 120):
+    started = time.monotonic()
+    result = run_stage("fleet", *args, timeout=timeout)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result, time.monotonic() - started
+
+
+def assert_staged_like_the_nas(hub: Path, nas: dict) -> None:
+    for repo, snap in nas["snaps"].items():
+        for rel, digest in snap.sha256.items():
+            staged = hub / snap.dir.relative_to(nas["hub"]) / rel
+            assert staged.exists(), staged
+            assert sha256_file(staged) == digest, staged
+
+
+@pytest.fixture(scope="module")
+def staged(cluster, nas, sshd, tmp_path_factory) -> dict:
+    """`stage fleet mirror` once for the module: three nodes staged by one command. The NAS is
+    reached over SSH, so sftp-server's own log counts every byte read from it."""
+    root = tmp_path_factory.mktemp("nodes")
+    nas_url = sshd.url(nas["hub"])
+    manifest = fleet_manifest(root / "cluster.toml", nas, root, sshd, nas_hub=nas_url)
+    before = sshd.bytes_read(nas["hub"])
+    result, _ = fleet("mirror", "--json", "--transport", "nas", "--timeout", "120", "--manifest", manifest)
+    return {"root": root, "manifest": manifest, "result": result, "nas_url": nas_url,
+            "nas_bytes": sshd.bytes_read(nas["hub"]) - before}
+
+
+def test_fleet_mirror_stages_every_node_from_one_command(staged, nas):
+    result = staged["result"]
+    assert result.code == 0, result.stderr + result.stdout
+    report = result.json
+    assert report["command"] == "mirror" and report["exit_code"] == 0 and not report["fan_out"]
+    assert list(report["nodes"]) == list(NODES)
+    data = None
+    for name, run in report["nodes"].items():
+        assert run["status"] == "ok" and run["exit_code"] == 0 and run["error"] is None
+        assert run["source"] == staged["nas_url"] == run["report"]["source"]
+        assert run["bytes"] == run["report"]["copied_bytes"] > 0 and run["problems"] == 0 and run["seconds"] > 0
+        assert run["report"]["verify"]["ok"] == run["report"]["verify"]["checked"] > 0
+        data = data or run["bytes"]
+        assert run["bytes"] == data
+        assert_staged_like_the_nas(staged["root"] / name / "hub", nas)
+    assert report["copied_from"] == {staged["nas_url"]: 3 * data}
+    assert report["transport"] == "nas" and report["nas_bytes"] == 3 * data
+    assert all(run["transport"] == "nas" and run["nas_bytes"] == data and run["peer_bytes"] == 0
+               for run in report["nodes"].values())
+    trees = [hub_tree(staged["root"] / name / "hub") for name in NODES]
+    assert trees[0] == trees[1] == trees[2]
+
+
+def test_fleet_verify_reports_each_node_and_exits_with_the_worst(staged, nas, sshd):
+    """dgx2's shard loses a byte (exit 1 there), dgx4 has no Ray node (exit 3): the fleet exits 3."""
+    root = staged["root"]
+    manifest = fleet_manifest(root / "with-dgx4.toml", nas, root, sshd, nas_hub=staged["nas_url"], extra_nodes=("dgx4",))
+    shard = next((root / "dgx2" / "hub" / "blobs").glob("??/*[0-9a-f]"))
+    original = shard.read_bytes()
+    try:
+        with open(shard, "r+b") as handle:
+            handle.seek(len(original) - 10)  # inside the sampled tail
+            handle.write(bytes([original[-10] ^ 0xFF]))
+        result, elapsed = fleet("verify", "--json", "--timeout", "60", "--manifest", manifest)
+    finally:
+        shard.write_bytes(original)
+    # dgx4 is reported as unreachable at once, not after the timeout.
+    assert result.code == 3 == result.json["exit_code"] and elapsed < 60, result.stderr
+    nodes = result.json["nodes"]
+    assert [(nodes[n]["status"], nodes[n]["exit_code"]) for n in (*NODES, "dgx4")] == [
+        ("ok", 0), ("problems", 1), ("ok", 0), ("unreachable", 3)]
+    for name in ("dgx1", "dgx3"):
+        report = nodes[name]["report"]
+        assert report["ok"] == report["checked"] > 0 and report["problems"] == []
+        assert report["verified_against"] == staged["nas_url"] and nodes[name]["bytes"] is None
+    assert nodes["dgx2"]["problems"] == 1 and nodes["dgx2"]["report"]["problems"][0]["kind"] == "mismatch"
+    assert nodes["dgx4"]["report"] is None and nodes["dgx4"]["error"] == "no live Ray node is labelled stage-node=dgx4"
+
+
+def test_fleet_audit_keeps_nagios_codes_and_the_worst_wins(staged, nas, sshd):
+    root = staged["root"]
+    manifest = fleet_manifest(root / "audit.toml", nas, root, sshd, node_extra={"dgx3": 'reserve = "1PiB"'})
+    result, _ = fleet("audit", "--json", "--timeout", "120", "--manifest", manifest)
+    nodes = result.json["nodes"]
+    assert result.code == 2 == result.json["exit_code"], result.stderr
+    assert [nodes[n]["status"] for n in NODES] == ["ok", "ok", "critical"]
+    assert nodes["dgx3"]["report"]["status"] == "CRITICAL" and nodes["dgx1"]["report"]["status"] == "OK"
+    assert all(nodes[n]["bytes"] == nodes[n]["report"]["needed_bytes"] == 0 for n in NODES)
+
+
+def test_a_node_silent_past_the_timeout_is_stopped_and_reported_in_the_table(staged, nas, sshd):
+    root = staged["root"]
+    hung = f"sftp://{sshd.user}@127.0.0.1:{silent_port()}{nas['hub']}"
+    manifest = fleet_manifest(root / "hung.toml", nas, root / "hung", sshd, node_extra={"dgx2": f'source = "{hung}"'})
+    result, elapsed = fleet("mirror", "--nodes", "dgx2", "--timeout", "8", "--manifest", manifest)
+    assert result.code == 3 and elapsed < 30, (elapsed, result.stderr)
+    table = result.stderr.splitlines()
+    assert table[0].split() == ["node", "status", "transport", "from", "NAS", "from", "peers", "seconds", "problems",
+                                "detail"]
+    # The node answers just before the deadline that it stopped its command; a node that cannot
+    # even say that is counted as unreachable.
+    assert table[1].startswith("dgx2  timed out ") and table[1].endswith("killed at the fleet deadline (8s)") \
+        or table[1].startswith("dgx2  unreachable ") and table[1].endswith("no answer within 8s"), table
+    assert len(table) == 3 and table[2].endswith("(exit 3)") and table[2].startswith("fleet mirror: 1 ")
+    # The node-local command was killed, not left running against the hung source.
+    time.sleep(2)
+    survivors = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, str(manifest))]
+    assert survivors == []
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        return text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def test_fan_out_reads_each_byte_from_the_nas_once(staged, nas, sshd, tmp_path):
+    nas_url = staged["nas_url"]
+    manifest = fleet_manifest(tmp_path / "fan-out.toml", nas, tmp_path, sshd, nas_hub=nas_url)
+    before = sshd.bytes_read(nas["hub"])
+    result, _ = fleet("mirror", "--json", "--fan-out", "--timeout", "120", "--manifest", manifest)
+    fan_bytes = sshd.bytes_read(nas["hub"]) - before
+    assert result.code == 0, result.stderr + result.stdout
+    fan = result.json
+    for name in NODES:
+        assert_staged_like_the_nas(tmp_path / name / "hub", nas)
+        # Served by a peer, verified against the NAS.
+        assert fan["nodes"][name]["report"]["verify"]["verified_against"] == nas_url
+    assert hub_tree(tmp_path / "dgx1" / "hub") == hub_tree(tmp_path / "dgx2" / "hub") \
+        == hub_tree(tmp_path / "dgx3" / "hub") == hub_tree(staged["root"] / "dgx1" / "hub")
+    assert fan["nodes"]["dgx1"]["source"] == nas_url
+    assert {fan["nodes"][n]["source"] for n in ("dgx2", "dgx3")} <= {sshd.url(tmp_path / n / "hub") for n in ("dgx1", "dgx2")}
+
+    plain, plain_bytes = staged["result"].json, staged["nas_bytes"]
+    data = plain["nodes"]["dgx1"]["bytes"]
+    files = 4
+    assert fan["copied_from"][nas_url] == data and sum(fan["copied_from"].values()) == 3 * data
+    # Without fan-out every node reads the data from the NAS; with it the data leaves the NAS once,
+    # plus each node's sampled verification (at most 1 MiB per file) and the small metadata files.
+    assert plain_bytes >= 3 * data
+    assert data <= fan_bytes <= data + 3 * files * (MiB + 64 * 1024)
+    print(f"\nNAS bytes read staging 3 nodes of {data} bytes: {plain_bytes} without fan-out, {fan_bytes} with it")
+
+
+# ---- the broadcast --------------------------------------------------------------------------------
+
+# What a receiving node's checks may read back from the NAS per file, beyond the data: the sampled
+# check before the rename reads the samples twice (before, and fresh after), the closing mirror once.
+SAMPLE_READS = 3 * (MiB + 64 * 1024)
+
+
+def small_files(nas: dict, staged: dict) -> int:
+    """Bytes of the files each node reads from the NAS itself: those of at most 1 MiB (sizes
+    from a staged node: one NAS link is absolute, through an alias)."""
+    hub = staged["root"] / "dgx1" / "hub"
+    sizes = [(hub / snap.dir.relative_to(nas["hub"]) / rel).stat().st_size
+             for snap in nas["snaps"].values() for rel in snap.sha256]
+    return sum(size for size in sizes if size <= MiB)
+
+
+def verify_full(manifest: Path, node: str):
+    result = run_stage("verify", "--full", "--node", node, "--json", "--manifest", manifest)
+    assert result.code == 0 and result.json["problems"] == [], (node, result.stdout, result.stderr)
+    return result.json
+
+
+@pytest.fixture(scope="module")
+def broadcast_run(cluster, staged, nas, sshd, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("broadcast")
+    manifest = fleet_manifest(root / "cluster.toml", nas, root, sshd, nas_hub=staged["nas_url"])
+    before = sshd.bytes_read(nas["hub"])
+    result, elapsed = fleet("mirror", "--json", "--timeout", "120", "--manifest", manifest)
+    return {"root": root, "manifest": manifest, "result": result, "seconds": elapsed,
+            "nas_bytes": sshd.bytes_read(nas["hub"]) - before}
+
+
+def test_broadcast_stages_every_node_reading_the_nas_once(broadcast_run, staged, nas):
+    result, root = broadcast_run["result"], broadcast_run["root"]
+    assert result.code == 0, result.stderr + result.stdout
+    report = result.json
+    data, small = staged["result"].json["nodes"]["dgx1"]["bytes"], small_files(nas, staged)
+    assert report["transport"] == "broadcast" and report["nas_bytes"] == data + 2 * small
+    nodes = report["nodes"]
+    # The head read every shared byte from the NAS, the others got all of theirs from peers
+    # (the files of at most 1 MiB, which each node's check reads whole anyway, from the NAS).
+    assert (nodes["dgx1"]["nas_bytes"], nodes["dgx1"]["peer_bytes"]) == (data, 0)
+    for name in ("dgx2", "dgx3"):
+        assert (nodes[name]["nas_bytes"], nodes[name]["peer_bytes"]) == (small, data - small), nodes[name]
+    for name in NODES:
+        run = nodes[name]
+        assert run["fallbacks"] == [] and run["bad_senders"] == [] and run["refused_connections"] == []
+        assert run["report"]["copied_bytes"] == small and run["report"]["problems"] == []
+        assert run["report"]["verify"]["verified_against"] == staged["nas_url"]
+        hub = root / name / "hub"
+        assert_staged_like_the_nas(hub, nas)
+        assert hub_tree(hub) == hub_tree(staged["root"] / "dgx1" / "hub")
+        verify_full(broadcast_run["manifest"], name)
+    # The tail received everything through two relays: huggingface_hub loads it offline.
+    assert load_offline(root / "dgx3" / "hub")["repos"] == sorted([FLASH, DRAFTER])
+    # Bytes the NAS's own sftp-server read: the data once, plus each node's bounded sampled checks.
+    files = 4
+    assert data <= broadcast_run["nas_bytes"] <= data + 3 * files * SAMPLE_READS, broadcast_run["nas_bytes"]
+    print(f"\nbroadcast to 3 nodes of {data} bytes: NAS read {broadcast_run['nas_bytes']} bytes "
+          f"(every node reading it: {staged['nas_bytes']}), {broadcast_run['seconds']:.1f}s")
+
+
+def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memory(cluster, staged, nas, sshd,
+                                                                                   tmp_path, monkeypatch):
+    """dgx2 already holds everything but one shard: it receives that shard only, and no chain
+    waits for it on the rest. The run's key (made known to this test by wrapping the driver's
+    mint) is never in any process's argv or environment during the run, nor in a file after it."""
+    from stager.fleet import run_fleet
+    from stager.fleet.broadcast import chain
+    from stager.manifest import load_manifest
+
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
+    assert run_stage("mirror", "--node", "dgx2", "--manifest", manifest).code == 0
+    shard = nas["snaps"][FLASH].dir / "model-00002-of-00002.safetensors"
+    blob = (tmp_path / "dgx2" / "hub" / shard.relative_to(nas["hub"])).resolve()
+    shard_size = blob.stat().st_size
+    blob.unlink()
+
+    minted = []
+
+    def remembered_mint():
+        minted.append(chain_mint())
+        return minted[-1]
+
+    chain_mint = chain.mint
+    monkeypatch.setattr(chain, "mint", remembered_mint)
+    scans, leaks, stop = [0], [], threading.Event()
+
+    def scan_processes():
+        while not stop.is_set():
+            if minted:
+                needles = (minted[0][0], minted[0][0].hex().encode())
+                for pid in filter(str.isdigit, os.listdir("/proc")):
+                    for part in ("cmdline", "environ"):
+                        try:
+                            text = Path(f"/proc/{pid}/{part}").read_bytes()
+                        except OSError:
+                            continue
+                        leaks.extend(f"/proc/{pid}/{part}" for needle in needles if needle in text)
+                scans[0] += 1
+            time.sleep(0.05)
+
+    scanner = threading.Thread(target=scan_processes, daemon=True)
+    scanner.start()
+    try:
+        report = run_fleet(load_manifest(manifest), "mirror", None, timeout=120).to_json()
+    finally:
+        stop.set()
+        scanner.join()
+    assert report["exit_code"] == 0 and report["transport"] == "broadcast", report
+    data = staged["result"].json["nodes"]["dgx1"]["bytes"]
+    nodes = report["nodes"]
+    assert nodes["dgx2"]["peer_bytes"] + nodes["dgx2"]["nas_bytes"] == shard_size
+    assert nodes["dgx1"]["nas_bytes"] == data and nodes["dgx3"]["peer_bytes"] == data - small_files(nas, staged), nodes
+    assert report["nas_bytes"] == data + small_files(nas, staged)
+    for name in NODES:
+        assert_staged_like_the_nas(tmp_path / name / "hub", nas)
+    assert len(minted) == 1 and scans[0] > 0 and leaks == []
+    key = minted[0][0]
+    for top in (cluster.log.parent, tmp_path, Path("/dev/shm")):
+        for path in top.rglob("*"):
+            try:
+                if path.is_file() and not path.is_symlink() and path.stat().st_size < 256 * MiB:
+                    content = path.read_bytes()
+                    assert key not in content and key.hex().encode() not in content, path
+            except (PermissionError, FileNotFoundError):
+                continue
+
+
+def relay_pid(hub: Path) -> int | None:
+    """The pid holding `hub`'s writer lock while it is a broadcast relay (from its `open` on: the
+    lock is taken there, and a 9 MiB run is over in well under a second on loopback)."""
+    state, pid = LockTable.read().state(hub / HUB_LOCK)  # the holder, from the kernel's lock table
+    if state != "held" or pid is None:
+        return None
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return pid if title.startswith(b"ray::NodeAgent") else None
+
+
+def test_a_relay_killed_mid_run_is_routed_around_and_a_rerun_converges(cluster, staged, nas, sshd, tmp_path):
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
+    proc = subprocess.Popen([sys.executable, "-m", "stager", "fleet", "mirror", "--json", "--timeout", "120",
+                             "--manifest", str(manifest)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    deadline = time.monotonic() + 90
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        killed = relay_pid(tmp_path / "dgx2" / "hub")
+        if killed is not None:
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=120)
+    assert killed is not None, err
+    import json
+
+    report = json.loads(out)
+    # The others finished; dgx2 itself was staged by its own mirror, from the NAS.
+    assert proc.returncode == 0 and report["exit_code"] == 0, err
+    nodes = report["nodes"]
+    assert [f["path"] for f in nodes["dgx2"]["fallbacks"]] == [None], nodes["dgx2"]
+    # Killed while it received, or while the driver still waited for it to listen.
+    assert nodes["dgx2"]["fallbacks"][0]["why"].startswith(("relay failed", "relay did not start")), nodes["dgx2"]
+    assert nodes["dgx3"]["bad_senders"] == [] and nodes["dgx3"]["report"]["problems"] == []
+    for name in NODES:
+        assert_staged_like_the_nas(tmp_path / name / "hub", nas)
+        assert nodes[name]["status"] == "ok"
+    again, _ = fleet("mirror", "--json", "--timeout", "120", "--manifest", manifest)
+    assert again.code == 0, again.stderr
+    assert all(run["report"]["copied_bytes"] == 0 and run["peer_bytes"] == 0 for run in again.json["nodes"].values())
+    verify_full(manifest, "dgx2")
+
+
+def descendants(root_pid: int) -> set[int]:
+    """root_pid's descendants (from /proc), not root_pid itself."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    family, frontier = set(), {root_pid}
+    while frontier:
+        family |= frontier
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - family
+    return family - {root_pid}
+
+
+def listening_addresses(root_pid: int) -> dict[str, str]:
+    """Local address:port (hex, as /proc/net/tcp* writes them) -> IP of each listening TCP socket
+    held by root_pid's descendants."""
+    inodes = set()
+    for pid in descendants(root_pid):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found[fields[1]] = fields[1].split(":")[0]
+    return found
+
+
+def test_the_cluster_listens_on_loopback_only(cluster):
+    """RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every Ray process on 127.0.0.1."""
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+    addresses = set(listening_addresses(os.getpid()).values())
+    assert addresses and addresses <= loopback, addresses
+
+
+def test_the_dashboard_is_off(cluster):
+    """--include-dashboard=false: the dashboard's web server is not started, and nothing listens on
+    its port. Ray still runs the dashboard process for usage statistics, without a frontend, and
+    each node's agent; both on loopback, and both require the token."""
+    commands = []
+    for pid in descendants(os.getpid()):
+        try:
+            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"))
+        except OSError:
+            continue
+    assert any(command[0].endswith("gcs_server") for command in commands)  # the head's processes are in view
+    dashboards = [command for command in commands if any(arg.endswith("dashboard/dashboard.py") for arg in command)]
+    assert all("--disable-frontend" in command and "--host=127.0.0.1" in command for command in dashboards), dashboards
+    ports = {int(local.split(":")[1], 16) for local in listening_addresses(os.getpid())}
+    assert ports and cluster.dashboard_port not in ports
+
+
+# ---- who may use the cluster ----------------------------------------------------------------------
+
+TOKEN_REMEDY = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<a copy of the cluster's token file, "
+                "mode 0600> (docs/fleet.md)")
+DRIVER = """
+import logging, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level=logging.ERROR)
+task = ray.remote(num_cpus=0)(lambda: "ran on the cluster")
+print(ray.get(task.options(label_selector={"stage-node": "dgx2"}).remote(), timeout=60))
+"""
+
+
+def environment_without_token(**extra: str) -> dict[str, str]:
+    return {**{key: value for key, value in os.environ.items() if key not in AUTH_VARS}, **extra}
+
+
+def run_driver(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A plain Ray driver: join the cluster and run one task on dgx2."""
+    return subprocess.run([sys.executable, "-c", DRIVER, os.environ["RAY_ADDRESS"]], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_driver_without_the_clusters_token_can_neither_join_nor_run_a_task(cluster):
+    # Ray retries a refused join for 20 s by default; two attempts show the same refusal.
+    quick = {"RAY_gcs_server_port_wait_time_s": "2"}
+    for env in (environment_without_token(**quick),
+                environment_without_token(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64, **quick)):
+        refused = run_driver(env)
+        assert refused.returncode != 0 and "ran on the cluster" not in refused.stdout
+        assert "Unauthenticated" in refused.stderr and "Failed to connect" in refused.stderr, refused.stderr[-3000:]
+    admitted = run_driver(dict(os.environ))
+    assert admitted.returncode == 0 and admitted.stdout.strip() == "ran on the cluster", admitted.stderr[-3000:]
+
+
+def test_every_node_refuses_a_request_without_the_token(cluster):
+    """What `stage fleet` relies on when it asks the head only: each node enforces the token too."""
+    import grpc
+    from ray.core.generated import node_manager_pb2 as pb, node_manager_pb2_grpc as rpc
+
+    nodes = live_nodes(cluster.address)
+    assert sorted(node["Labels"][LABEL] for node in nodes) == list(NODES)
+    bearer = [("authorization", f"Bearer {cluster.token.read_text()}")]
+    for node in nodes:
+        with grpc.insecure_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}") as channel:
+            raylet = rpc.NodeManagerServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                raylet.GetSystemConfig(pb.GetSystemConfigRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert raylet.GetSystemConfig(pb.GetSystemConfigRequest(), timeout=10, metadata=bearer).system_config
+
+
+def test_fleet_without_the_clusters_token_exits_3_at_once_naming_the_remedy(cluster, nas, sshd, tmp_path):
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd)
+    at = f"the Ray cluster at RAY_ADDRESS={cluster.address}"
+    loose = tmp_path / "readable_token"
+    loose.write_text(cluster.token.read_text())
+    loose.chmod(0o644)
+    cases = [
+        ({}, f"{at} requires a token and this driver sends none (RAY_AUTH_MODE=<unset>): {TOKEN_REMEDY}"),
+        ({"RAY_AUTH_MODE": "token", "HOME": str(tmp_path)},
+         f"{at} requires a token and this driver has none (not in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+         f"~/.ray/auth_token): {TOKEN_REMEDY}"),
+        ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+         f"{at} refused this driver's token from RAY_AUTH_TOKEN: it is not the cluster's token; {TOKEN_REMEDY}"),
+        ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(loose)},
+         f"the Ray token file {loose} can be read by other users (mode 0644): run chmod 600 {loose}"),
+        ({"RAY_ADDRESS": cluster.client_address},  # through the Ray Client server
+         f"the Ray cluster at RAY_ADDRESS={cluster.client_address} requires a token and this driver sends none "
+         f"(RAY_AUTH_MODE=<unset>): {TOKEN_REMEDY}"),
+    ]
+    for extra, message in cases:
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "stager", "fleet", "verify", "--manifest", str(manifest)],
+                              env=environment_without_token(**extra), capture_output=True, text=True, timeout=60)
+        # Refused before ray.init, which would retry the refused join for 20 s.
+        assert proc.returncode == 3 and time.monotonic() - started < 15, (extra, proc.stderr)
+        assert proc.stderr.strip().splitlines() == [f"stage: error: {message}"], proc.stderr
+
+
+def test_a_cluster_without_authentication_is_refused_unless_allowed(cluster, staged):
+    """A second head, started without RAY_AUTH_MODE=token: it answers anyone."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="stage-ray-", dir="/tmp"))
+    try:
+        with ray_head(temp_dir, NODES[0], environment_without_token(RAY_AUTH_MODE="disabled")) as head:
+            wait_for_labels(head, {NODES[0]})
+            args = ("fleet", "verify", "--nodes", NODES[0], "--timeout", "120", "--manifest", staged["manifest"])
+            started = time.monotonic()
+            refused = run_stage(*args, env={"RAY_ADDRESS": head.address})
+            assert refused.code == 3 and time.monotonic() - started < 15, refused.stderr
+            assert refused.stderr.strip().splitlines() == [
+                f"stage: error: the Ray cluster at RAY_ADDRESS={head.address} accepts requests without a token: "
+                "anyone who reaches its port runs code as the user that writes the node hubs; restart it with "
+                "RAY_AUTH_MODE=token (docs/fleet.md) or pass --allow-unauthenticated-cluster"]
+            allowed = run_stage(*args, "--json", "--allow-unauthenticated-cluster", env={"RAY_ADDRESS": head.address})
+            assert allowed.code == 0, allowed.stderr
+            assert allowed.json["cluster_auth"] == "disabled" and allowed.json["nodes"][NODES[0]]["status"] == "ok"
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_the_table_warns_when_the_cluster_is_unauthenticated():
+    from stager.fleet import FleetReport, NodeRun, table
+
+    run = NodeRun("dgx1", 0, "ok", seconds=1.0, problems=0)
+    lines = table(FleetReport("verify", (run,), 2.0, False, "dgx1:6379", cluster_auth="disabled"))
+    assert lines[-2:] == ["warning: the Ray cluster's authentication is disabled (--allow-unauthenticated-cluster)",
+                          "fleet verify: 1 ok in 2.0s (exit 0)"]
+    assert FleetReport("verify", (run,), 2.0, False, "dgx1:6379").to_json()["cluster_auth"] == "token"
+    assert len(table(FleetReport("verify", (run,), 2.0, False, "dgx1:6379"))) == 3
+
+
+def test_fleet_verify_passes_full_and_subset_to_every_node(staged):
+    result, _ = fleet("verify", "--full", "--subset", "1/2", "--json", "--timeout", "120",
+                      "--manifest", staged["manifest"])
+    assert result.code == 0, result.stderr
+    for name in NODES:
+        report = result.json["nodes"][name]["report"]
+        assert (report["mode"], report["subset"], report["seed"]) == ("full", "1/2", None), name
+        assert report["problems"] == [] and report["checked"] > 0
+
+
+def test_fleet_prune_passes_dry_run_until_free_and_only_to_every_node(staged, nas):
+    """An orphan blob on dgx1 and dgx2: each node's `--until-free` stops before it (the space is
+    there), `--dry-run` lists it and removes nothing, the real run removes exactly it, and every
+    staged byte stays right."""
+    orphans, sizes = {}, {}
+    for index, name in enumerate(("dgx1", "dgx2")):
+        orphan = staged["root"] / name / "hub" / f"models--{FLASH.replace('/', '--')}" / "blobs" / ("ab" * 31 + f"{index:02x}")
+        sizes[name] = 4096 + index
+        orphan.write_bytes(os.urandom(sizes[name]))
+        orphans[name] = orphan
+    try:
+        common = ("--only", "blob", "--json", "--timeout", "120", "--manifest", staged["manifest"])
+        # Already 1 KiB free: the orphan is left, and the target said met.
+        enough, _ = fleet("prune", "--dry-run", "--until-free", "1KiB", *common)
+        assert enough.code == 0, enough.stderr
+        for name in NODES:
+            report = enough.json["nodes"][name]["report"]
+            assert (report["dry_run"], report["until_free"], report["target_met"], report["removed"]) == (
+                True, "1KiB", True, []), report
+            assert [item["path"] for item in report["left"]] == ([str(orphans[name])] if name in orphans else [])
+        dry, _ = fleet("prune", "--dry-run", *common)
+        assert dry.code == 0, dry.stderr
+        for name in NODES:
+            report = dry.json["nodes"][name]["report"]
+            assert report["dry_run"] is True and report["until_free"] is None, report
+            listed = [item["path"] for item in report["removed"]]
+            assert listed == ([str(orphans[name])] if name in orphans else []), (name, listed)
+        assert all(orphan.exists() for orphan in orphans.values())
+        real, _ = fleet("prune", *common)
+        assert real.code == 0, real.stderr
+        for name in NODES:
+            run = real.json["nodes"][name]
+            assert run["report"]["dry_run"] is False
+            assert [item["path"] for item in run["report"]["removed"]] == ([str(orphans[name])] if name in orphans else [])
+            assert run["bytes"] == run["report"]["freed_bytes"] == sizes.get(name, 0)
+        assert not any(orphan.exists() for orphan in orphans.values())
+    finally:
+        for orphan in orphans.values():
+            orphan.unlink(missing_ok=True)
+    for name in NODES:
+        assert_staged_like_the_nas(staged["root"] / name / "hub", nas)
+
+
+def test_each_node_runs_the_node_local_command_with_its_own_rank(nas, sshd, tmp_path):
+    from stager.fleet import node_argv
+    from stager.manifest import load_manifest
+
+    manifest = load_manifest(fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd))
+    path = str((tmp_path / "m.toml").resolve())
+    assert node_argv(manifest, "pack-engram", "dgx3") == [
+        "pack-engram", "--node", "dgx3", "--json", "--manifest", path, "--rank", "2"]
+    assert node_argv(manifest, "audit", "dgx3") == ["audit", "--node", "dgx3", "--json", "--manifest", path]
+    # `stage fleet prune`: each node's own prune, its bytes column the bytes it freed.
+    from stager.fleet.report import BYTES_KEY
+
+    assert node_argv(manifest, "prune", "dgx1") == ["prune", "--node", "dgx1", "--json", "--manifest", path]
+    assert BYTES_KEY["prune"] == "freed_bytes"
+    assert node_argv(manifest, "mirror", "dgx2", "sftp://peer/hub")[-2:] == ["--source", "sftp://peer/hub"]
+    assert node_argv(manifest, "verify", "dgx1", None, ("--subset", "0/3")) == [
+        "verify", "--node", "dgx1", "--json", "--manifest", path, "--subset", "0/3"]
+
+
+def test_misuse_is_bad_input(nas, sshd, tmp_path):
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd)
+    result, _ = fleet("verify", "--fan-out", "--manifest", manifest)
+    assert result.code == 2 and "--fan-out applies to `stage fleet mirror` only" in result.stderr
+    result, _ = fleet("verify", "--nodes", "dgx1,nope", "--manifest", manifest)
+    assert result.code == 2 and "nodes.nope: no such node" in result.stderr
+    result, _ = fleet("mirror", "--full", "--manifest", manifest)
+    assert result.code == 2 and "--full and --subset apply to `stage fleet verify` only, not mirror" in result.stderr
+    result, _ = fleet("verify", "--subset", "3", "--manifest", manifest)
+    assert result.code == 2 and "--subset expects N/T such as 3/7, got '3'" in result.stderr
+    result, _ = fleet("mirror", "--until-free", "1GiB", "--manifest", manifest)
+    assert result.code == 2 and "apply to `stage fleet prune` only, not mirror" in result.stderr
+    result, _ = fleet("prune", "--only", "snapshots", "--manifest", manifest)
+    assert result.code == 2 and "--only: snapshots is not a kind" in result.stderr
+
+
+def test_no_cluster_at_ray_address_exits_3_without_hanging(nas, sshd, tmp_path):
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{sock.getsockname()[1]}"
+    result = run_stage("fleet", "verify", "--manifest", manifest, env={**RAY_LOOPBACK, "RAY_ADDRESS": closed}, timeout=60)
+    assert result.code == 3
+    assert result.stderr.strip().splitlines() == [
+        f"stage: error: no Ray cluster at RAY_ADDRESS={closed}: Connection refused; start one with "
+        "`ray start --head` and set RAY_ADDRESS=<head>:6379 (docs/fleet.md)"]
+    # A port that accepts and never answers: ray.init would wait forever; the command does not.
+    silent = f"127.0.0.1:{silent_port()}"
+    started = time.monotonic()
+    result = run_stage("fleet", "verify", "--timeout", "5", "--manifest", manifest,
+                       env={**RAY_LOOPBACK, "RAY_ADDRESS": silent}, timeout=60)
+    assert result.code == 3 and time.monotonic() - started < 30
+    assert (f"stage: error: no Ray cluster answered at RAY_ADDRESS={silent} within 5s; start one with "
+            "`ray start --head` and set RAY_ADDRESS=<head>:6379 (docs/fleet.md)") in result.stderr.splitlines()
+
+
+def test_without_ray_installed_the_command_says_how_to_install_it(nas, sshd, tmp_path):
+    fake = tmp_path / "no-ray" / "ray"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'ray'\")\n")
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd)
+    proc = subprocess.run([sys.executable, "-m", "stager", "fleet", "mirror", "--manifest", str(manifest)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(fake.parent)})
+    assert proc.returncode == 3
+    assert proc.stderr.strip() == ("stage: error: stage fleet needs Ray on every node: "
+                                   "pip install 'stager[fleet]' (see docs/fleet.md)")

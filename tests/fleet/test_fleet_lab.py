@@ -1,0 +1,294 @@
+"""`stage fleet mirror` on the namespace lab (scripts/lab/fleet_lab.py): real Ray nodes with token
+auth in their own network namespaces, an sshd NAS in another, every link shaped with tc tbf.
+Bytes are checked by SHA-256 against the NAS and by `stage fleet verify --full`; the NAS's bytes
+are counted on its veth, not taken from the tool's report. And the lab leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fleet_lab import MARK, NS_PREFIX, leftovers, present_runs, run
+from fleet_lab_fixtures import (WIRE_OVERHEAD, FleetRun, assert_every_byte_right,  # noqa: F401
+                                broadcast_sample_allowance, fleet, lab, lab_missing, mirror, sample_allowance)
+from stager.fleet.driver import PING_TIMEOUT
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "lab" / "fleet_lab.py"
+pytestmark = pytest.mark.skipif(lab_missing() is not None, reason=lab_missing() or "")
+
+
+# ---- today's transports: the baseline the broadcast is measured against ---------------------------
+
+def test_direct_reads_share_the_nas_link_so_time_grows_with_n(lab, one_node):
+    """Every node reads the NAS: the NAS's one shaped uplink carries N copies, so N nodes take
+    about N times one node's time, and the NAS's veth counts N x S. (Shows the shaping is real.)"""
+    data, nodes, one = lab.data_bytes, list(lab.nodes), one_node
+    every = mirror(lab, "--transport", "nas")
+    assert every.code == 0, every.stderr
+    assert_every_byte_right(lab)
+    link_seconds = data * 8 / (lab.config.rate_mbit * 1e6)
+    assert one.seconds >= link_seconds, (one.seconds, link_seconds)
+    assert every.seconds / one.seconds >= 0.6 * len(nodes), (every.seconds, one.seconds)
+    assert len(nodes) * data <= every.nas_read <= every.nas_sent
+    assert every.nas_sent <= WIRE_OVERHEAD * (len(nodes) * data + sample_allowance(len(nodes)))
+    assert every.report["copied_from"] == {lab.nas_url: len(nodes) * data}
+
+
+def test_the_sftp_tree_reads_the_nas_once(lab):
+    """--transport sftp: one node from the NAS, the others from staged peers' sshd in
+    their namespaces; the NAS's veth carries S once plus each node's sampled check."""
+    data, nodes = lab.data_bytes, list(lab.nodes)
+    tree = mirror(lab, "--transport", "sftp")
+    assert tree.code == 0, tree.stderr
+    assert_every_byte_right(lab)
+    assert data <= tree.nas_sent <= WIRE_OVERHEAD * (data + sample_allowance(len(nodes)))
+    peers = {f"sftp://root@{m.address}{lab.staged_hub(m.name)}" for m in lab.nodes.values()}
+    sources = {run["source"] for run in tree.report["nodes"].values()}
+    assert lab.nas_url in sources and sources - {lab.nas_url} <= peers and len(sources) >= 2
+
+
+# ---- the lab itself --------------------------------------------------------------------------------
+
+def test_each_member_is_shaped_both_ways_and_sits_on_the_bridge_only(lab):
+    for member in [lab.nas, *lab.nodes.values()]:
+        outside = run(["tc", "qdisc", "show", "dev", member.host_link]).stdout
+        inside = run(["tc", "-n", member.namespace, "qdisc", "show", "dev", "lab0"]).stdout
+        for qdisc in (outside, inside):
+            assert f"tbf" in qdisc and f"rate {int(member.rate_mbit)}Mbit" in qdisc, (member.name, qdisc)
+        routes = run(["ip", "-n", member.namespace, "-4", "route", "show"]).stdout.strip().splitlines()
+        assert len(routes) == 1 and routes[0].startswith("198.18.") and "default" not in routes[0], routes
+
+
+def test_a_lab_up_killed_with_sigkill_leaves_nothing_behind(tmp_path):
+    """kill -9 of `fleet_lab.py up`: its reaper sees the pipe close and removes the namespaces,
+    links, qdiscs, processes and files of the run."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "up", "--nodes", "1", "--size", "2MiB", "--files", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # the lab's description, once it is up
+        assert line, proc.stderr.read()
+        described = json.loads(line)
+        run_id = described["run"]
+        present = leftovers(run_id)
+        assert present["namespaces"] and present["links"] and present["qdiscs"] and present["processes"]
+        assert any(pid for pid in present["processes"])  # Ray's raylet, sshd, ...
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(leftovers(run_id).values()):
+        time.sleep(0.5)
+    assert not any(leftovers(run_id).values()), leftovers(run_id)
+
+
+def test_down_sweeps_a_run_whose_owner_is_gone():
+    """What a reaper could not remove (it was killed too): a namespace, a link on a bridge and a
+    process marked with the run, and no record. `fleet_lab.py down` removes them; a live lab's
+    run, with its owner alive, is kept."""
+    run_id = "fe" + f"{os.getpid() % 256:02x}"
+    namespace = f"{NS_PREFIX}{run_id}-dgx1"
+    run(["ip", "netns", "add", namespace])
+    sleeper = None
+    try:
+        run(["ip", "link", "add", f"sl{run_id}br", "type", "bridge"])
+        run(["ip", "link", "add", f"sl{run_id}h1", "type", "veth", "peer", "name", "lab0", "netns", namespace])
+        run(["tc", "qdisc", "add", "dev", f"sl{run_id}h1", "root", "tbf", "rate", "10mbit", "burst", "64k",
+             "latency", "50ms"])
+        sleeper = subprocess.Popen(["ip", "netns", "exec", namespace, "sleep", "600"],
+                                   env={**os.environ, MARK: run_id}, start_new_session=True)
+        time.sleep(0.5)
+        assert run_id in present_runs() and all(leftovers(run_id)[k] for k in ("namespaces", "links", "qdiscs"))
+        swept = subprocess.run([sys.executable, str(SCRIPT), "down"], capture_output=True, text=True, timeout=60)
+        assert swept.returncode == 0 and run_id in swept.stderr, swept.stderr
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+        assert not any(leftovers(run_id).values()), leftovers(run_id)
+    finally:
+        if sleeper and sleeper.poll() is None:
+            sleeper.kill()
+        run(["ip", "netns", "del", namespace], check=False)
+        run(["ip", "link", "del", f"sl{run_id}br"], check=False)
+
+
+# ---- the broadcast ---------------------------------------------------------------------------------
+
+BROADCAST = ("--transport", "broadcast")
+PORTS = (7900, 7915)  # the relays' ports for these runs (--ports), so a stranger knows where to knock
+# CI bounds (3 nodes, 48 MiB at 100 Mbit/s: S/R = 4 s, so a run's fixed costs weigh heavily):
+# the issue's targets at 512 MiB are 1.3 for both; docs/fleet.md has the measured figures.
+FLAT_IN_N = 1.6
+
+
+def broadcast(lab, *args, nodes=None, **kwargs):
+    return mirror(lab, *BROADCAST, "--ports", f"{PORTS[0]}-{PORTS[1]}", *args, nodes=nodes, **kwargs)
+
+
+def landed_at(lab, node: str, since: float) -> float:
+    """When the node's last blob got its final name (its inode's ctime), seconds after `since`."""
+    blobs = [p for p in (lab.staged_hub(node) / "models--lab--model" / "blobs").iterdir()]
+    return max(os.lstat(p).st_ctime for p in blobs) - since
+
+
+@pytest.fixture(scope="module")
+def one_node(lab):
+    """T(1): one node reading the NAS (a broadcast needs two nodes; with one, it is this)."""
+    run = mirror(lab, "--transport", "nas", nodes=["dgx1"])
+    assert run.code == 0, run.stderr
+    assert_every_byte_right(lab, ["dgx1"])
+    return run
+
+
+class Stranger:
+    """A process in the NAS's namespace (on the cluster network, not a fleet member) that knocks
+    on every relay port of a node while a run goes on: it sends 64 bytes of junk and keeps what it
+    is sent."""
+
+    def __init__(self, lab, target):
+        self.lab, self.target, self.received, self.knocks = lab, target, {}, 0
+        code = f"""
+import socket, sys, time, json, os
+got, knocks, deadline = {{}}, 0, time.monotonic() + 120
+while time.monotonic() < deadline and not os.path.exists(sys.argv[1]):
+    for port in range({PORTS[0]}, {PORTS[1]} + 1):
+        try:
+            sock = socket.create_connection(("{target.address}", port), timeout=0.2)
+        except OSError:
+            continue
+        knocks += 1
+        sock.settimeout(5)
+        data = b""
+        try:
+            sock.sendall(os.urandom(64))
+            while chunk := sock.recv(65536):
+                data += chunk
+        except OSError:
+            pass
+        sock.close()
+        got[port] = max(got.get(port, 0), len(data))
+    time.sleep(0.2)
+print(json.dumps({{"knocks": knocks, "received": got}}))
+"""
+        self.stop_file = lab.root / "stranger-stop"
+        self.proc = lab.spawn(lab.nas, [sys.executable, "-c", code, str(self.stop_file)], stdout=subprocess.PIPE)
+
+    def finish(self) -> dict:
+        self.stop_file.touch()
+        out, _ = self.proc.communicate(timeout=60)
+        self.stop_file.unlink()
+        return json.loads(out)
+
+
+@dataclass
+class CleanBroadcast:
+    run: FleetRun
+    knocked: dict  # what the stranger that knocked during it saw
+    landed: float  # seconds from its start to the last blob's final name on any node
+
+
+@pytest.fixture(scope="module")
+def clean_broadcast(lab) -> CleanBroadcast:
+    """One broadcast of every node onto empty hubs, with a stranger knocking on a relay's ports:
+    the flat-in-N test's run, and the quarter-rate test's reference time."""
+    stranger = Stranger(lab, lab.nodes[list(lab.nodes)[1]])
+    started = time.time()
+    run = broadcast(lab)
+    knocked = stranger.finish()
+    assert run.code == 0, run.stderr
+    assert_every_byte_right(lab)
+    return CleanBroadcast(run, knocked, max(landed_at(lab, n, started) for n in lab.nodes))
+
+
+def test_the_broadcast_is_flat_in_n_reads_the_nas_once_and_refuses_a_stranger(lab, one_node, clean_broadcast):
+    data, nodes = lab.data_bytes, list(lab.nodes)
+    every, knocked = clean_broadcast.run, clean_broadcast.knocked
+    report = every.report
+    assert report["transport"] == "broadcast"
+    shards = data - len(b'{"architectures": ["LabForCausalLM"]}')  # the config.json is each node's own copy
+    assert sum(report["nodes"][n]["peer_bytes"] for n in nodes) == (len(nodes) - 1) * shards
+    # Time: flat in N within CI's bounds, and never slower than every node reading the NAS.
+    link_seconds = data * 8 / (lab.config.rate_mbit * 1e6)
+    assert every.seconds / one_node.seconds <= FLAT_IN_N, (every.seconds, one_node.seconds)
+    assert every.seconds <= one_node.seconds + (len(nodes) - 1) * link_seconds, (every.seconds, one_node.seconds)
+    # The NAS's veth: S once, plus each node's sampled check.
+    assert data <= every.nas_sent <= WIRE_OVERHEAD * (1.02 * data + broadcast_sample_allowance(len(nodes))), \
+        every.nas
+    # The stranger reached a relay port, got nothing but what a handshake may send first, and was
+    # named by the node it knocked on.
+    assert knocked["knocks"] > 0 and knocked["received"], knocked
+    assert max(knocked["received"].values()) <= 64, knocked
+    refused = report["nodes"][nodes[1]]["refused_connections"]
+    assert refused and all(lab.nas.address in str(entry) for entry in refused), refused
+
+
+def test_a_corrupting_peer_is_refused_named_and_routed_around(lab):
+    nodes = list(lab.nodes)
+    lab.corrupting(lab.nodes[nodes[0]])
+    try:
+        run = broadcast(lab)
+    finally:
+        lab.corrupting(lab.nodes[nodes[0]], on=False)
+    assert run.code == 0, run.stderr
+    assert_every_byte_right(lab)
+    named = {sender for n in nodes for sender in run.report["nodes"][n]["bad_senders"]}
+    assert named == {nodes[0]}, run.report["nodes"]
+
+
+def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab, clean_broadcast):
+    """kill -9 of everything in dgx2's namespace once it has received half the data: the others
+    finish with every byte right, the table names dgx2, and after it comes back a re-run stages it."""
+    data, nodes = lab.data_bytes, list(lab.nodes)
+    victim = lab.nodes[nodes[1]]
+    start = lab.counters(victim).tx_bytes  # the root-namespace end sends what the node receives
+    killed = threading.Event()
+
+    def kill_half_way():
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and lab.counters(victim).tx_bytes - start < data // 2:
+            time.sleep(0.05)
+        lab.kill_node(victim.name)
+        killed.set()
+
+    threading.Thread(target=kill_half_way, daemon=True).start()
+    started = time.time()
+    try:
+        run = broadcast(lab, "--timeout", "150")
+    finally:
+        killed.wait(timeout=200)
+        lab.rejoin(victim)
+    survivors = [n for n in nodes if n != victim.name]
+    assert run.code == 3 and run.report["nodes"][victim.name]["status"] == "unreachable", run.stderr
+    assert all(run.report["nodes"][n]["status"] == "ok" for n in survivors), run.report["nodes"]
+    # The others are routed around within seconds (1.2x is the target at 512 MiB; 3 s of slack
+    # for CI's 48 MiB), and the run ends once the dead node has failed to run a task of nothing,
+    # not when Ray's heartbeats give it up.
+    survivors_landed = max(landed_at(lab, n, started) for n in survivors)
+    assert survivors_landed <= 1.2 * clean_broadcast.landed + 3.0, (survivors_landed, clean_broadcast.landed)
+    assert run.seconds <= clean_broadcast.run.seconds + PING_TIMEOUT + 10, (run.seconds, clean_broadcast.run.seconds)
+    assert_every_byte_right(lab, survivors)
+    again = fleet(lab, "mirror", *BROADCAST, "--ports", f"{PORTS[0]}-{PORTS[1]}")
+    assert again.code == 0, again.stderr
+    assert_every_byte_right(lab)
+
+
+def test_a_node_at_a_quarter_of_the_rate_does_not_hold_the_others_back(lab, clean_broadcast):
+    nodes = list(lab.nodes)
+    clean_landed = clean_broadcast.landed
+    slow = nodes[1]  # in the middle of the manifest: the broadcast must not put it in the chain's way
+    lab.reshape(slow, lab.config.rate_mbit / 4)
+    try:
+        started = time.time()
+        run = broadcast(lab)
+    finally:
+        lab.reshape(slow, lab.config.rate_mbit)
+    assert run.code == 0, run.stderr
+    assert_every_byte_right(lab)
+    others = max(landed_at(lab, n, started) for n in nodes if n != slow)
+    assert others <= 1.25 * clean_landed + 2.0, (others, clean_landed)
