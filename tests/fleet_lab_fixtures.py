@@ -28,7 +28,7 @@ LAB_RATE = float(os.environ.get("STAGE_LAB_RATE", "100"))
 LAB_MIB = int(os.environ.get("STAGE_LAB_MIB", "48"))
 LAB_FILES = 6
 # What each node's sampled checks may read back from the NAS per file, with the walk's metadata:
-# measured on the lab as 2.0 MiB per 8 MiB shard per node for a direct mirror (docs/fleet.md).
+# measured on the lab as 2.0 MiB per 8 MiB shard per node for a direct mirror (docs/fleet-lab.md).
 SAMPLE_BYTES_PER_FILE = 2 * MiB + 128 * 1024
 # The wire around the SFTP payload: SSH framing, TCP/IP/Ethernet headers (measured: 1.3 %).
 WIRE_OVERHEAD = 1.03

@@ -6,7 +6,7 @@
     python scripts/lab/fleet_lab.py down                                     # remove labs whose owner is dead
     python scripts/lab/fleet_lab.py list
 
-The shape (docs/fleet.md, "The lab"): a Linux bridge in the root namespace; one namespace per node
+The shape (docs/fleet-lab.md, "The lab"): a Linux bridge in the root namespace; one namespace per node
 and one for the NAS, each joined to the bridge by a veth pair whose two ends are both shaped with
 `tc tbf` to the link rate, so every member has R up and R down and the NAS's one uplink is shared
 by all nodes. Addresses come from 198.18.0.0/15 (RFC 2544's benchmarking range), on the bridge
@@ -869,7 +869,7 @@ def add_lab_options(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleet_lab.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="See docs/fleet.md, 'The lab'. Runs as root.")
+                                     epilog="See docs/fleet-lab.md, 'The lab'. Runs as root.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="build a lab, print its description (JSON), hold it until SIGINT/SIGTERM")
     add_lab_options(up)

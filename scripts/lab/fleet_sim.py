@@ -331,7 +331,7 @@ def numbers(text: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleet_sim.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="See docs/fleet.md, 'The simulator'.")
+                                     epilog="See docs/fleet-lab.md, 'The simulator'.")
     sub = parser.add_subparsers(dest="command", required=True)
     one = sub.add_parser("one", help="one transport on one cluster")
     one.add_argument("--transport", choices=TRANSPORTS, required=True)

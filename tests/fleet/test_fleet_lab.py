@@ -123,7 +123,7 @@ def test_down_sweeps_a_run_whose_owner_is_gone():
 BROADCAST = ("--transport", "broadcast")
 PORTS = (7900, 7915)  # the relays' ports for these runs (--ports), so a stranger knows where to knock
 # CI bounds (3 nodes, 48 MiB at 100 Mbit/s: S/R = 4 s, so a run's fixed costs weigh heavily):
-# the issue's targets at 512 MiB are 1.3 for both; docs/fleet.md has the measured figures.
+# the issue's targets at 512 MiB are 1.3 for both; docs/fleet.md has the measured figures (fleet-lab.md).
 FLAT_IN_N = 1.6
 
 

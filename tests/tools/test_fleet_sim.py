@@ -20,7 +20,7 @@ MiB = 1024 * 1024
 LAB = dict(size=256 * MiB, files=6, link=25e6, nas=25e6)  # 200 Mbit/s, as the lab was measured
 
 
-# The points the model misses by more than 15 %, and why (docs/fleet.md, "The simulator"):
+# The points the model misses by more than 15 %, and why (docs/fleet-lab.md, "The simulator"):
 # - the tree at N = 4 (measured 88-98 s, model 77 s): its transfers' CPU per GB grows with how
 #   many run at once on the lab's two shared cores (17 s at N = 1, 24 s at N = 4), which the
 #   model holds constant;
