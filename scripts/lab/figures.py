@@ -40,9 +40,12 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> None:
+def _save(plt, fig, path: Path) -> Path:
+    """Write without a date or a creator line, so that the same data gives the same bytes."""
     fig.tight_layout()
     fig.savefig(path, format="svg", metadata={"Date": None, "Creator": None})
+    plt.close(fig)
+    return path
 
 
 def lab_time_against_n(plt, out: Path) -> Path:
@@ -65,10 +68,7 @@ def lab_time_against_n(plt, out: Path) -> Path:
     sim.set(xlabel="nodes", ylabel="seconds", title="Simulator: 700 GB, 25 GbE, 1 GB/s NAS", xscale="log",
             yscale="log")
     sim.legend(fontsize=7)
-    path = out / "fleet-time-vs-n.svg"
-    _save(fig, path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "fleet-time-vs-n.svg")
 
 
 def lab_cpu_per_gb(plt, out: Path) -> Path:
@@ -84,10 +84,7 @@ def lab_cpu_per_gb(plt, out: Path) -> Path:
     ax.set_xticks([k + width * (len(transports) - 1) / 2 for k in range(len(ns))], [f"N = {n}" for n in ns])
     ax.set(ylabel="CPU s per GB per node", title="Lab: CPU per GB staged")
     ax.legend(fontsize=7)
-    path = out / "fleet-cpu-per-gb.svg"
-    _save(fig, path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "fleet-cpu-per-gb.svg")
 
 
 def bench_ratios(plt, out: Path) -> Path:
@@ -109,10 +106,7 @@ def bench_ratios(plt, out: Path) -> Path:
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set(xlabel="wall time over the workload's baseline (medians of 5, same rounds; stager in blue)",
            title="Bench: stager beside cp, rsync and rclone")
-    path = out / "bench-ratios.svg"
-    _save(fig, path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "bench-ratios.svg")
 
 
 def draw(out: Path) -> list[Path]:
