@@ -21,14 +21,16 @@ STATUS = {
 class Delivery:
     """Where a mirrored node's bytes came from, whatever the transport: data bytes from peers and
     from the NAS (sampled checks not counted), what fell back to the NAS and why, the peers whose
-    chunks failed the run's key, and the connections its relay refused."""
+    chunks failed the run's key, and the connections its relay refused: counted by address, the
+    addresses refused most first, every other address together last (address None), each
+    {address, connections, why: {reason: connections}} (gate.Refusals.summary)."""
 
     transport: str
     peer_bytes: int = 0
     nas_bytes: int = 0
     fallbacks: tuple[dict, ...] = ()
     bad_senders: tuple[str, ...] = ()
-    refused: tuple[str, ...] = ()
+    refused: tuple[dict, ...] = ()
     moved_to_tail: bool = False  # it fell behind its upstream, and the chain was reordered around it
     # The CPU its relay's threads used (receive, check, write, serve), so that a relay's cost per
     # GB can be told apart from its node's process starts and walks; None without a relay.
@@ -110,6 +112,23 @@ def unreachable(node: str, why: str, source: str | None = None) -> NodeRun:
 
 
 
+def _refused_lines(refused: tuple[dict, ...], shown: int) -> list[str]:
+    """The first `shown` addresses a relay refused, with their reasons; the rest in one line."""
+    lines = []
+    for entry in refused[:shown]:
+        where = entry.get("address") or "other addresses"
+        reasons = "; ".join(f"{count}: {why}" for why, count in (entry.get("why") or {}).items())
+        lines.append(f"refused {_connections(entry.get('connections', 0))} from {where} ({reasons})")
+    rest = sum(entry.get("connections", 0) for entry in refused[shown:])
+    if rest:
+        lines.append(f"refused {_connections(rest, 'more ')} from other addresses")
+    return lines
+
+
+def _connections(count: int, more: str = "") -> str:
+    return f"{count} {more}broadcast connection{'' if count == 1 else 's'}"
+
+
 def table(report: FleetReport, problems_per_node: int = 5) -> list[str]:
     """The per-node table, each node's first problems, and a closing count. A mirror shows where
     each node's bytes came from instead of one byte count, and names bad senders, fallbacks to
@@ -144,8 +163,7 @@ def table(report: FleetReport, problems_per_node: int = 5) -> list[str]:
         for fallback in got.fallbacks[:problems_per_node]:
             lines.append(f"  {run.node}: fell back to the NAS for {fallback.get('path') or 'every shared file'}: "
                          f"{fallback.get('why')}")
-        for refused in got.refused[:problems_per_node]:
-            lines.append(f"  {run.node}: refused a broadcast connection from {refused}")
+        lines.extend(f"  {run.node}: {line}" for line in _refused_lines(got.refused, problems_per_node))
     counts: dict[str, int] = {}
     for run in report.runs:
         counts[run.status] = counts.get(run.status, 0) + 1

@@ -23,6 +23,7 @@ RUN_ID_BYTES = 16
 NONCE_BYTES = 32
 MAC_BYTES = 32
 GREETING = b"stage-broadcast/1\n"
+ANSWER_BYTES = NONCE_BYTES + MAC_BYTES  # what a client sends back: its nonce and its proof
 
 
 class Refused(Exception):
@@ -63,17 +64,21 @@ def recv_exact(sock: socket.socket, length: int) -> bytes:
     return bytes(data)
 
 
-def admit(sock: socket.socket, key: bytes, run_id: bytes) -> None:
-    """Server side: send a challenge, check the client's proof, then prove the key in turn.
-    A stranger gets the greeting and a random nonce, nothing else, and its bytes are never read
-    as a request: Refused is raised before."""
+def challenge() -> tuple[bytes, bytes]:
+    """Server side, first: what a new connection is sent (the greeting and a random nonce), and
+    the nonce, kept to check its answer against."""
     server_nonce = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(GREETING + server_nonce)
-    answer = recv_exact(sock, NONCE_BYTES + MAC_BYTES)
+    return GREETING + server_nonce, server_nonce
+
+
+def server_proof(key: bytes, run_id: bytes, server_nonce: bytes, answer: bytes) -> bytes:
+    """Server side, then: the client's ANSWER_BYTES (its nonce and its proof) checked against the
+    challenge; returns the server's proof, to send back. A stranger gets Refused here, and its
+    bytes are never read as a request."""
     client_nonce, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
-    if not mac_ok(_proof(key, b"client", run_id, server_nonce, client_nonce), proof):
+    if len(answer) != ANSWER_BYTES or not mac_ok(_proof(key, b"client", run_id, server_nonce, client_nonce), proof):
         raise Refused("it did not prove the run's key")
-    sock.sendall(_proof(key, b"server", run_id, server_nonce, client_nonce))
+    return _proof(key, b"server", run_id, server_nonce, client_nonce)
 
 
 def join(sock: socket.socket, key: bytes, run_id: bytes) -> None:

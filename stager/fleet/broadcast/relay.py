@@ -41,7 +41,8 @@ from stager.mirror.copier import DirectWriter, SourceChanged
 from stager.base.errors import CannotRun
 from stager.mirror.execute import land_verified, writable_dir
 from stager.mirror.fingerprint import Digest, Reference, sampled_digest
-from stager.fleet.broadcast.keys import MAC_BYTES, Refused, admit, chunk_mac, join, mac_ok, recv_exact
+from stager.fleet.broadcast.gate import SOCKET_BUFFER, Gate, listen, thread_cpu
+from stager.fleet.broadcast.keys import MAC_BYTES, Refused, chunk_mac, join, mac_ok, recv_exact
 from stager.base.lock import HUB_LOCK, writer_lock
 from stager.mirror.observe import DigestCache
 from stager.mirror.plan import CopyFile
@@ -56,7 +57,6 @@ log = logging.getLogger("stager.fleet.broadcast")
 # up a chunk time is well under a millisecond, and a chunk's fixed cost (a frame, a key, a write)
 # stays small beside hashing and copying its MiB.
 CHUNK = 1024 * 1024
-SOCKET_BUFFER = 8 * 1024 * 1024
 CONNECT_TIMEOUT = 5.0
 HANDSHAKE_TIMEOUT = 10.0
 # An upstream that sends nothing for this long is routed around (a hung node, a cut link).
@@ -128,26 +128,6 @@ def chunks_in(size: int) -> int:
     return -(-size // CHUNK)
 
 
-def listen(host: str, ports: tuple[int, int] | None) -> socket.socket:
-    """A listening socket on `host`, on the first free port of `ports` (else one the kernel picks)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    last: OSError | None = None
-    for port in range(ports[0], ports[1] + 1) if ports else (0,):
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        # Set on the listener, so every accepted connection starts with windows this large.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-        try:
-            sock.bind((host, port))
-            sock.listen(16)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-    where = f"ports {ports[0]}-{ports[1]}" if ports else "any port"
-    raise CannotRun(f"cannot listen on {host} ({where}) for the broadcast: {last.strerror if last else 'no port'}")
-
-
 class Relay:
     """One node's relay for one fleet run. Built in the node's Ray actor; the key arrives with
     `open`, as a Ray call's argument, and lives in this object only.
@@ -165,11 +145,10 @@ class Relay:
         self.sessions: dict[int, list[_Held]] = {}
         self.routes: dict[int, tuple] = {}  # session -> the chain as last rerouted by the driver
         self.feeds: dict[int, _Feed] = {}  # session -> where this node is receiving it from, while it is
-        self.refused: list[str] = []
         self.cpu_seconds = 0.0  # of the threads that receive and serve, as each ends
         self.spare: list[_Chunk] = []  # chunk buffers no file holds and no sender uses
         self.closed = False
-        self.listener: socket.socket | None = None
+        self.gate: Gate | None = None  # the listener, and who it refused
         self._lock = contextlib.ExitStack()
         self._key = b""
         self._run_id = b""
@@ -189,9 +168,8 @@ class Relay:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        self.listener = listen(host, ports)
-        threading.Thread(target=self._accept_loop, name="stage-broadcast-accept", daemon=True).start()
-        return self.listener.getsockname()[1]
+        self.gate = Gate(self.node, listen(host, ports), key, run_id, self._start_serving)
+        return self.gate.port
 
     def progress(self, number: int) -> int:
         """Chunks of the session this node holds so far (the driver watches for a laggard). In
@@ -212,13 +190,13 @@ class Relay:
             feed.rerouted(chain)
 
     def close(self) -> dict:
-        """Stop serving, close every descriptor, release the lock. Returns who was refused, and
-        the CPU seconds the relay's threads have used."""
+        """Stop serving, close every descriptor, release the lock. Returns who was refused (the
+        gate's summary by address), and the CPU seconds the relay's threads have used."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
-        if self.listener is not None:
-            self.listener.close()
+        if self.gate is not None:
+            self.gate.close()
         with self.cond:
             for files in self.sessions.values():
                 for held in files:
@@ -227,8 +205,10 @@ class Relay:
                         held.fd = -1
         self._lock.close()
         self._key = b""
+        gate = self.gate
         with self.cond:
-            return {"refused": list(self.refused), "cpu_seconds": self.cpu_seconds}
+            return {"refused": gate.refusals.summary() if gate else [],
+                    "cpu_seconds": self.cpu_seconds + (gate.cpu_seconds if gate else 0.0)}
 
     # ---- receiving ------------------------------------------------------------------------------
 
@@ -236,7 +216,7 @@ class Relay:
         """Receive and land every file of the session; returns what came from where. After this
         node's `last` session the hub's lock is let go: nothing more is written, and what was
         landed is served from the descriptors held open, so the node's closing mirror can start."""
-        started = _thread_cpu()
+        started = thread_cpu()
         files = [_Held(share.size) for share in session.files]
         with self.cond:
             self.sessions[session.number] = files
@@ -285,43 +265,26 @@ class Relay:
 
     # ---- serving --------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        listener = self.listener
-        listener.settimeout(0.5)
-        while not self.closed:
-            try:
-                conn, address = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn, address), name="stage-broadcast-serve",
-                             daemon=True).start()
+    def _start_serving(self, conn: socket.socket) -> None:
+        """The gate's hand-off of a connection that proved the key: a downstream, served in a
+        thread of its own (members only, so a handful per run)."""
+        threading.Thread(target=self._serve, args=(conn,), name="stage-broadcast-serve", daemon=True).start()
 
     def _count_cpu(self, started: float) -> None:
         with self.cond:
-            self.cpu_seconds += _thread_cpu() - started
+            self.cpu_seconds += thread_cpu() - started
 
-    def _serve(self, conn: socket.socket, address) -> None:
-        started = _thread_cpu()
+    def _serve(self, conn: socket.socket) -> None:
+        started = thread_cpu()
         try:
-            self._serve_one(conn, address)
+            self._serve_one(conn)
         finally:
             self._count_cpu(started)
 
-    def _serve_one(self, conn: socket.socket, address) -> None:
-        peer = f"{address[0]}:{address[1]}"
+    def _serve_one(self, conn: socket.socket) -> None:
         with conn:
             try:
                 conn.settimeout(HANDSHAKE_TIMEOUT)
-                admit(conn, self._key, self._run_id)
-            except (Refused, OSError) as exc:
-                why = str(exc) if isinstance(exc, Refused) else f"it left before proving the run's key ({_why(exc)})"
-                with self.cond:
-                    self.refused.append(f"{peer}: {why}")
-                log.warning("%s refused a broadcast connection from %s: %s", self.node, peer, why)
-                return
-            try:
                 number, offsets = _read_request(conn)
                 files = self._session(number)
                 if files is None or len(offsets) != len(files):
@@ -656,11 +619,6 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if not got:
             raise ConnectionError(f"the connection closed after {done} of {len(view)} bytes of a chunk")
         done += got
-
-
-def _thread_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_THREAD)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _why(exc: BaseException) -> str:
