@@ -21,7 +21,7 @@ from pathlib import Path
 from stager.base import hints
 from stager.engram.shard_format import SCALE_BYTES, SCALE_DTYPE, WEIGHT_BYTES, WEIGHT_DTYPE
 from stager.base.errors import BadInput, CannotRun
-from stager.mirror.hub import Entry, LinkError, is_excluded, repo_dir_name, resolve_chain, resolve_revision
+from stager.mirror.hub import BadRef, Entry, LinkError, is_excluded, repo_dir_name, resolve_chain, resolve_revision
 from stager.manifest import Manifest
 from stager.mirror.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 from stager.sources import open_source
@@ -162,7 +162,10 @@ def load_checkpoint(source: Source, repo_id: str, revision: str, origin: str, *,
     the index names and the snapshot lacks is a broken checkpoint (exit 2), not one still to stage.
     `exclude`: the model's patterns, when `source` is a staged copy that lacks what they match."""
     repo_dir = repo_dir_name(repo_id)
-    commit = resolve_revision(source, repo_dir, revision)
+    try:
+        commit = resolve_revision(source, repo_dir, revision)
+    except BadRef as exc:
+        raise _NotStaged(str(exc)) from None
     snap_dir = f"{repo_dir}/snapshots/{commit}"
     st = source.lstat(snap_dir) if commit else None
     if st is None or st.kind != "dir":

@@ -24,10 +24,9 @@ from stager.base.atomic import AtomicFile, SyncBatch, atomic_file, atomic_symlin
 from stager.mirror.copier import SourceChanged, copy_into
 from stager.base.errors import CannotRun, StageError
 from stager.mirror.fingerprint import Digest, Verdict, judge, new_hasher, sampled_digest
-from stager.mirror.hub import SHARED_STORE, Problem
+from stager.mirror.hub import SHARED_STORE, BadRef, Problem, node_ref
 from stager.mirror.observe import DigestCache
 from stager.mirror.plan import CopyFile, MakeLink, Plan, kept_hops
-from stager.base.small_files import read_regular_head
 from stager.base.units import format_size
 from stager.mirror.verify import NAS_FILE_BAD, check_local_chain
 from stager.base.workers import worker_pool
@@ -198,9 +197,11 @@ def _first_break(snap, local_hub: Path, failed: frozenset[str]) -> str | None:
 def _current_commit(ref: Path) -> str:
     # Never a blocking read: a FIFO at the node's ref hung the mirror while it built this message.
     try:
-        return read_regular_head(ref, 128).decode("ascii", errors="replace").strip() or "nothing"
+        return node_ref(ref)
     except FileNotFoundError:
         return "nothing"
+    except BadRef:
+        return "a ref that names no commit"
     except OSError as exc:
         return f"an unreadable ref ({exc.strerror})"
 

@@ -1,7 +1,7 @@
 """Hugging Face hub cache layout, and the read-only walk of one repo revision on a source.
 
 Layout (huggingface_hub 1.x/2.x):
-    <hub>/models--<owner>--<name>/refs/<ref>               40-hex commit, no newline
+    <hub>/models--<owner>--<name>/refs/<ref>               40-hex commit, no newline (see read_ref)
     <hub>/models--<owner>--<name>/snapshots/<commit>/<path> link -> ../../blobs/<etag>
     <hub>/models--<owner>--<name>/blobs/<etag>              file, or link into the shared store
     <hub>/models--<owner>--<name>/trees/<commit>.json       file listing (sizes, sha256)
@@ -30,12 +30,14 @@ from pathlib import Path
 
 from stager.base.atomic import is_temp_name
 from stager.base.errors import CannotRun
-from stager.base.small_files import read_regular
+from stager.base.small_files import read_regular_head
+from stager.base.text import printable
 from stager.sources.base import Source, Stat
 
 SHARED_STORE = "blobs"
 SHARED_MARKER = "blobs/.huggingface-shared-blobs"
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# `\Z`, not `$`: `$` also matches before a trailing newline, so "<sha>\n" passed for a commit.
+COMMIT = re.compile(r"^[0-9a-f]{40}\Z")
 SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
 GIT_SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
 # huggingface_hub names payloads blobs/<2 hex>/<64-hex xet hash>; any file two levels under the
@@ -236,16 +238,50 @@ def resolve_chain(source: Source, rel: str) -> tuple[tuple[str, ...], Stat]:
         current = nxt
 
 
+REF_LIMIT = 128  # a ref is 40 bytes and a line end; reading more only shows what else it holds
+
+
+class BadRef(ValueError):
+    """A ref whose text is not a commit (read_ref's rule); the message names the ref's path."""
+
+
+def read_ref(raw: bytes, where: str) -> str:
+    """The one rule for a ref's text, on the NAS and on the node: 40 lowercase hex digits,
+    optionally followed by exactly one line end (`\n` or `\r\n`), which is dropped. Anything
+    else (spaces, two line ends, upper case, a short or long hash) raises BadRef naming `where`.
+
+    huggingface_hub writes a ref bare and reads it as it is (no strip): a NAS ref someone wrote
+    with `echo` or a Windows editor resolved here, was compared raw when published, and never
+    reached the node, while mirror and verify both said 0. The node's ref is always written bare."""
+    text = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
+    commit = text.decode("ascii", errors="replace")
+    if not COMMIT.fullmatch(commit):
+        shown = printable(raw[:48].decode("ascii", errors="replace")) + ("..." if len(raw) > 48 else "")
+        raise BadRef(f"{where} holds {shown!r}, not a 40-hex commit")
+    return commit
+
+
+def nas_ref(source: Source, rel: str) -> str:
+    """The commit the source's ref at hub-relative `rel` names. Raises OSError, or BadRef."""
+    return read_ref(source.read_small(rel, REF_LIMIT), source.display(rel))
+
+
+def node_ref(path: Path) -> str:
+    """The commit the node's ref at `path` names. Raises OSError (never blocks on a FIFO planted
+    at the name: small_files), or BadRef."""
+    return read_ref(read_regular_head(path, REF_LIMIT, follow=True), str(path))
+
+
 def resolve_revision(source: Source, repo_dir: str, revision: str) -> str | None:
-    """A 40-hex commit is taken as is; a branch or tag is read from refs/."""
-    if COMMIT.match(revision):
+    """A 40-hex commit is taken as is; a branch or tag is read from refs/ (read_ref's rule).
+    None when there is no such ref; BadRef when there is one that names no commit."""
+    if COMMIT.fullmatch(revision):
         return revision
     ref = f"{repo_dir}/refs/{revision}"
     st = source.lstat(ref)
     if st is None or st.kind != "file" or _moved_by_dir_link(source, posixpath.dirname(ref)):
         return None
-    text = source.read_small(ref, 128).decode("ascii", errors="replace").strip()
-    return text if COMMIT.match(text) else None
+    return nas_ref(source, ref)
 
 
 def serving_commit(local_hub: Path, repo_id: str, revision: str) -> str | None:
@@ -259,14 +295,12 @@ def serving_commit(local_hub: Path, repo_id: str, revision: str) -> str | None:
     written last and only onto a snapshot whole on the node (execute.publish_refs), so the
     commit named here was whole when it was staged; whether it still is, verify says."""
     repo = Path(local_hub) / repo_dir_name(repo_id)
-    if COMMIT.match(revision):
+    if COMMIT.fullmatch(revision):
         commit = revision
     else:
-        try:  # never blocks on a FIFO planted at the ref (small_files)
-            commit = read_regular(repo / "refs" / revision, 128, follow=True).decode("ascii", "replace").strip()
-        except (OSError, ValueError):
-            return None
-        if not COMMIT.match(commit):
+        try:
+            commit = node_ref(repo / "refs" / revision)
+        except (OSError, BadRef):
             return None
     try:
         is_dir = stat.S_ISDIR(os.lstat(repo / "snapshots" / commit).st_mode)
@@ -287,7 +321,7 @@ def walk_for_node(source: Source, local_hub: Path, repo_id: str, revision: str, 
     whole, the next walk names it, and the mirror stages it and moves the node's ref."""
     snap = walk_repo(source, repo_id, revision, exclude)
     unfinished = next((p for p in snap.problems if p.kind == "incomplete"), None)
-    if unfinished is None or COMMIT.match(revision):
+    if unfinished is None or COMMIT.fullmatch(revision):
         return snap
     serving = serving_commit(local_hub, repo_id, revision)
     if serving is None or serving == snap.commit:
@@ -297,7 +331,11 @@ def walk_for_node(source: Source, local_hub: Path, repo_id: str, revision: str, 
     if any(p.kind in ("incomplete", "missing") for p in older.problems):
         return snap
     idle = max(0, int((time.time() if now is None else now) - _download_activity_ns(source, snap) / 1e9))
-    return replace(older, revision=revision,
+    # The node's own ref stays on `serving`, and is still checked (and rewritten bare) as staged
+    # metadata: a ref with a line end was taken as serving, while clients could not load it.
+    ref = f"{older.repo_dir}/refs/{revision}"
+    metadata = older.metadata if ref in older.metadata else (ref, *older.metadata)
+    return replace(older, revision=revision, metadata=metadata,
                    pending=Pending(repo_id, revision, snap.commit, serving, unfinished.detail, idle))
 
 
@@ -339,7 +377,13 @@ def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str], *
     st = source.lstat(repo_dir)
     if st is None or st.kind != "dir":
         return _with(base, problems=(Problem(source.display(repo_dir), "missing", f"{repo_id} is not in the NAS hub"),))
-    commit = resolve_revision(source, repo_dir, revision)
+    try:
+        commit = resolve_revision(source, repo_dir, revision)
+    except BadRef as exc:
+        # Not "no snapshot": the ref is there and says nothing a client could load.
+        return _with(base, problems=(Problem(source.display(f"{repo_dir}/refs/{revision}"), "bad_ref",
+                                             f"{exc}; huggingface_hub cannot resolve {revision!r} either: "
+                                             "write the commit alone into it on the NAS"),))
     snap_dir = f"{repo_dir}/snapshots/{commit}"
     if commit is None or (source.lstat(snap_dir) or Stat("none", 0, 0, 0)).kind != "dir":
         in_flight = [] if commit is None or in_flight_elsewhere else _downloads_in_flight(source, repo_dir)
@@ -530,7 +574,11 @@ def _metadata(source: Source, repo_dir: str, commit: str, problems: list[Problem
     """
     found: list[str] = []
     for rel in _files_under(source, f"{repo_dir}/refs", problems):
-        if source.read_small(rel, 128) == commit.encode():
+        try:
+            names = nas_ref(source, rel)
+        except BadRef:
+            continue  # names no commit: left behind like a ref to another commit (the walked ref is checked)
+        if names == commit:
             found.append(rel)
     if _trees_in_place(source, repo_dir, problems):
         rel = f"{repo_dir}/trees/{commit}.json"

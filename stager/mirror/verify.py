@@ -19,7 +19,7 @@ import xxhash
 
 from stager.base import identity
 from stager.mirror.fingerprint import Verdict, judge, reference_for
-from stager.mirror.hub import Entry, Pending, Problem, RepoSnapshot
+from stager.mirror.hub import BadRef, Entry, Pending, Problem, RepoSnapshot, read_ref
 from stager.mirror.observe import META_LIMIT, DigestCache, expected_digest, local_digest
 from stager.mirror.plan import kept_hops
 from stager.base.small_files import read_regular
@@ -240,7 +240,8 @@ def _source_is_bad(cache: DigestCache, entry: Entry, reference) -> bool:
 
 
 def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyReport) -> int:
-    """Refs must name the commit the walk read; trees must be byte-identical to the source's."""
+    """Refs must hold the commit the walk read, bare (as huggingface_hub writes and reads them);
+    trees must be byte-identical to the source's."""
     checked = 0
     for rel in snap.metadata:
         if "/.no_exist/" in rel:
@@ -257,10 +258,23 @@ def _check_metadata(source, local_hub: Path, snap: RepoSnapshot, report: VerifyR
         is_ref = rel.startswith(f"{snap.repo_dir}/refs/")
         theirs = snap.commit.encode() if is_ref else source.read_small(rel, len(mine) + 1)
         if mine != theirs:
-            report.problems.append(Problem(str(local_hub / rel), "mismatch", "differs from the source copy"))
+            detail = _ref_differs(mine, snap.commit, local_hub / rel) if is_ref else "differs from the source copy"
+            report.problems.append(Problem(str(local_hub / rel), "mismatch", detail))
         else:
             report.ok += 1
     return checked
+
+
+def _ref_differs(mine: bytes, commit: str, path: Path) -> str:
+    """Why the node's ref is not the bare commit the walk read (hub.read_ref's rule)."""
+    try:
+        names = read_ref(mine, str(path))
+    except BadRef as exc:
+        return f"{exc}; it should name {commit}"
+    if names == commit:
+        # huggingface_hub reads a ref as it is: "<commit>\n" names a snapshot directory that does not exist.
+        return f"names {commit} with a line end after it, which huggingface_hub cannot resolve offline"
+    return f"names {names}; the node should be on {commit}"
 
 
 def _drop_cache(path: Path) -> None:
