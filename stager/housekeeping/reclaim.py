@@ -94,7 +94,7 @@ class Item:
     path: str
     bytes: int
     detail: str
-    used: float  # the newest atime or mtime of its files and directories (see _use)
+    used: float  # when a process last read its files: the newest atime among them (see _use)
     steps: tuple[Step, ...] = ()
     reaches: frozenset[FileId] = frozenset()  # files and directories whose use keeps the item
     device: int = 0  # the filesystem it gives space back on
@@ -206,8 +206,17 @@ def _tree(root: str):
         stack.extend(path for path, _st in reversed(dirs))
 
 
-def _use(st: os.stat_result) -> float:
-    return max(st.st_atime, st.st_mtime)
+def _use(st: os.stat_result | None) -> float:
+    """When a process last read the file: its atime (the --until-free order, oldest use first).
+
+    Only a regular file has a use. A directory's atime moves whenever anything lists it (the
+    audit, this very scan) and a link's whenever it is read: counting them made every scan mark
+    every repo "used now", and after one `stage audit` prune chose the repo a process had just
+    read over one idle for days. This tool's own reads keep files' atimes
+    (small_files.open_keeping_atime)."""
+    if st is None or not stat.S_ISREG(st.st_mode):
+        return 0.0
+    return st.st_atime
 
 
 def _inside(path: str, root: str) -> bool:
@@ -255,11 +264,10 @@ def _scan_snapshot(repo: str, entry: os.DirEntry, stats: dict) -> _Snapshot | No
     hops: set[str] = set()
     finals: set[str] = set()
     dirs, real = [Seen.of(entry.path, st)], []
-    used = _use(st)
+    used = 0.0  # the files its entries resolve to (_use): never its directories
     for _here, subdirs, files in _tree(entry.path):
         for path, sub in subdirs:
             dirs.append(Seen.of(path, sub))
-            used = max(used, _use(sub))
         for path, sub in files:
             stats[path] = sub
             if stat.S_ISREG(sub.st_mode):
@@ -287,8 +295,12 @@ def _local_refs(repo: str) -> dict[str, list[str]]:
 
 
 def _repo_files(repo: str, stats: dict) -> tuple[list[str], list[str], float, int]:
-    """(regular files, directories, newest use, bytes) of a whole repo directory."""
+    """(regular files, directories, newest use of its content, bytes) of a whole repo directory.
+
+    Content is what a client loads: blobs/ and files in snapshots/. refs/ and trees/ are read by
+    anything that only looks at the cache (`hf cache scan` reads every ref), which is not use."""
     files, dirs, used, size = [], [repo], 0.0, 0
+    content = (os.path.join(repo, "blobs", ""), os.path.join(repo, "snapshots", ""))
     for _here, subdirs, names in _tree(repo):
         dirs.extend(path for path, _st in subdirs)
         for path, st in names:
@@ -296,7 +308,8 @@ def _repo_files(repo: str, stats: dict) -> tuple[list[str], list[str], float, in
             if stat.S_ISREG(st.st_mode):
                 files.append(path)
                 size += st.st_size
-                used = max(used, _use(st))
+                if path.startswith(content):
+                    used = max(used, _use(st))
     return files, dirs, used, size
 
 
@@ -433,11 +446,13 @@ def scan_hub(hub: str, wanted: Wanted, listed: set[str]) -> _HubScan:
                     pass
             size = st.st_size if stat.S_ISREG(st.st_mode) else 0
             reaches = {(st.st_dev, st.st_ino)}
+            used = _use(st)
             if stat.S_ISLNK(st.st_mode):
                 final = _lstat(identity.resolved(blob.path)) if identity.inside(blob.path, root) else None
                 if final is not None:
                     reaches.add((final.st_dev, final.st_ino))
-            scan.items.append(Item("blob", blob.path, size, detail, _use(st),
+                    used = _use(final)  # the payload it links to is what a reader read
+            scan.items.append(Item("blob", blob.path, size, detail, used,
                                    (Step("unlink", Seen.of(blob.path, st), size, _blob_sha256(blob.path),
                                          files=1 if size or stat.S_ISREG(st.st_mode) else 0),),
                                    frozenset(reaches), st.st_dev, repo.path, frozenset({blob.path})))
