@@ -46,6 +46,43 @@ def parse_size(text: str | int) -> int:
     return size
 
 
+# A rate as rsync's and rclone's --bwlimit read it: a bare number is KiB/s in both; K/M/G/T are
+# binary in both (rclone also writes Ki/Mi, rsync KiB/MiB); KB/MB/GB/TB are decimal (rsync's
+# reading; rclone refuses them); B is bytes. Zero (rsync) and "off" (rclone) mean no limit.
+_RATE_UNITS = {
+    "": 1024,
+    "b": 1,
+    **{f"{p}{tail}": 1024**n for n, p in enumerate("kmgt", 1) for tail in ("", "i", "ib")},
+    **{f"{p}b": 1000**n for n, p in enumerate("kmgt", 1)},
+}
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)([a-zA-Z]*)$")
+MIN_RATE = 512  # bytes/s: rsync's floor for --bwlimit; below it a run of real weights never ends
+RATE_GRAMMAR = ("a number of KiB/s, or with a unit: B, K/Ki/KiB, M/Mi/MiB, G/Gi/GiB, T/Ti/TiB (x1024), "
+                "KB, MB, GB, TB (x1000); 0 or off for no limit")
+
+
+def parse_rate(text: str) -> int | None:
+    """Bytes per second for a --bwlimit value ("50M" = 50 MiB/s, "800" = 800 KiB/s, "50MB" =
+    50,000,000 B/s), or None for no limit ("0", "off"). Raises ValueError naming the grammar.
+
+    Refused, rather than guessed: rclone's timetables ("08:00,512k") and upload:download pairs
+    ("10M:1M"), rsync's "+1"/"-1" offsets, "/s" suffixes, exponents, NaN, and rates below 512 B/s."""
+    spelled = text.strip()
+    if spelled.lower() == "off":
+        return None
+    match = _RATE.match(spelled)
+    if not match or match.group(2).lower() not in _RATE_UNITS:
+        raise ValueError(f"{text!r} is not a rate: expected {RATE_GRAMMAR}")
+    rate = int(float(match.group(1)) * _RATE_UNITS[match.group(2).lower()])  # digits only: finite
+    if rate == 0 and float(match.group(1)) == 0:
+        return None
+    if rate < MIN_RATE:
+        raise ValueError(f"{text!r} is below the smallest rate, {MIN_RATE} B/s (0 or off: no limit)")
+    if rate > MAX_SIZE:
+        raise ValueError(f"{text!r} is larger than any link (at most {format_size(MAX_SIZE)}/s)")
+    return rate
+
+
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhd]?)\s*$")
 

@@ -64,6 +64,24 @@ FullOpt = Annotated[bool, typer.Option("--full", help="Hash every byte against t
 MAX_WAIT_SECONDS = 86_400  # a day: a wait longer than that is a mistake, not patience
 MAX_TIMEOUT_SECONDS = 7 * 86_400  # a week: a fleet mirror of many TB over a slow NAS still fits
 MAX_SEED = 2**32 - 1  # the range of the random seed a report shows
+
+
+def _check_rate(value: Optional[str]) -> Optional[str]:
+    if value is not None:
+        from stager.base.units import parse_rate
+
+        try:
+            parse_rate(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+# The operator's spelling is kept: `stage fleet mirror` hands it on to every node's `stage mirror`.
+BwlimitOpt = Annotated[Optional[str], typer.Option(
+    "--bwlimit", metavar="RATE", callback=_check_rate,
+    help="Read at most RATE from the NAS (and any --source), all parallel reads together: "
+         "KiB/s, or 50M = 50 MiB/s, 50MB = 50 MB/s; 0 or off: no limit (docs/operations.md)")]
 JobsOpt = Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, max=64, metavar="N",
                                                 help="Files copied or checked in parallel (1-64)")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", min=0, max=MAX_SEED,

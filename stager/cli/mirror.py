@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import DryRunOpt, FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, QuietOpt, SeedOpt, VerboseOpt, WaitOpt, app
+from stager.cli.app import BwlimitOpt, DryRunOpt, FullOpt, JobsOpt, JsonOpt, ManifestOpt, NodeOpt, QuietOpt, SeedOpt, VerboseOpt, WaitOpt, app
 from stager.cli import terminal
 
 
@@ -24,16 +24,18 @@ def mirror(
                                              "instead of the manifest's; verification still compares against the NAS "
                                              "when it answers")] = None,
     wait: WaitOpt = 0,
+    bwlimit: BwlimitOpt = None,
     manifest: ManifestOpt = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
     """Mirror the node's models into its local hub, then verify them."""
+    from stager.base.units import parse_rate
     from stager.mirror import pipeline as core
     from stager.manifest import load_manifest
 
     job = core.node_job(load_manifest(manifest), node, model, jobs=jobs or core.default_jobs(), seed=seed,
-                        source_override=source)
+                        source_override=source, bwlimit=parse_rate(bwlimit) if bwlimit else None)
     report = core.mirror(job, full=full, dry_run=dry_run, wait=wait, progress_factory=terminal.byte_progress(not json, "stage"))
     if json:
         terminal.emit_json(report.to_json())

@@ -23,6 +23,7 @@ from stager.mirror.observe import DigestCache, observe
 from stager.mirror.plan import Plan, make_plan
 from stager.sources import open_source
 from stager.sources.base import Source
+from stager.sources.throttle import Throttle
 from stager.base.units import format_size
 from stager.mirror.verify import NAS_FILE_BAD, Subset, VerifyReport, verify_snapshots
 
@@ -45,6 +46,8 @@ class NodeJob:
     aliases: dict[str, str] = field(default_factory=dict)
     manifest: str = ""  # where the job came from, for messages that name a manifest key
     never_write: tuple[str, ...] = ()  # local spellings of every source (see source_roots)
+    # --bwlimit: the one rate for all the run reads from its source and from the NAS (sources/throttle.py).
+    throttle: Throttle | None = None
 
 
 @dataclass
@@ -80,7 +83,8 @@ class MirrorReport:
 
 
 def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: int, seed: int | None,
-             source_override: str | None = None) -> NodeJob:
+             source_override: str | None = None, bwlimit: int | None = None) -> NodeJob:
+    """`bwlimit`: bytes per second for everything the run reads from its sources, None for no limit."""
     config = manifest.node(node)
     chosen = list(models) if models else list(config.models)
     for repo_id in chosen:
@@ -88,7 +92,8 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
             raise BadInput(f"{manifest.path}: nodes.{node}.models: {repo_id!r} is not staged on {node}")
     url = source_override or manifest.source_for(node)
     manifest.refuse_source_overlap(f"nodes.{node}.hub", config.hub, [url])
-    source = open_source(url, manifest.nas.aliases)
+    throttle = Throttle(bwlimit) if bwlimit else None
+    source = open_source(url, manifest.nas.aliases, throttle)
     return NodeJob(
         node=node,
         source=source,
@@ -101,6 +106,7 @@ def node_job(manifest: Manifest, node: str, models: list[str] | None, *, jobs: i
         aliases=dict(manifest.nas.aliases),
         manifest=manifest.path,
         never_write=tuple(manifest.local_sources([url])),
+        throttle=throttle,
     )
 
 
@@ -124,7 +130,7 @@ def reference_source(job: NodeJob) -> Source:
     if job.nas is None:
         return job.source
     try:
-        return open_source(job.nas, job.aliases)
+        return open_source(job.nas, job.aliases, job.throttle)
     except CannotRun:
         return job.source
 
