@@ -66,7 +66,8 @@ MAX_TIMEOUT_SECONDS = 7 * 86_400  # a week: a fleet mirror of many TB over a slo
 MAX_SEED = 2**32 - 1  # the range of the random seed a report shows
 
 
-def _check_rate(value: Optional[str]) -> Optional[str]:
+def check_rate(value: Optional[str]) -> Optional[str]:
+    """A --bwlimit value refused at parse time (exit 2, naming the option), kept as the operator spelled it."""
     if value is not None:
         from stager.base.units import parse_rate
 
@@ -77,9 +78,8 @@ def _check_rate(value: Optional[str]) -> Optional[str]:
     return value
 
 
-# The operator's spelling is kept: `stage fleet mirror` hands it on to every node's `stage mirror`.
 BwlimitOpt = Annotated[Optional[str], typer.Option(
-    "--bwlimit", metavar="RATE", callback=_check_rate,
+    "--bwlimit", metavar="RATE", callback=check_rate,
     help="Read at most RATE from the NAS (and any --source), all parallel reads together: "
          "KiB/s, or 50M = 50 MiB/s, 50MB = 50 MB/s; 0 or off: no limit (docs/operations.md)")]
 JobsOpt = Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, max=64, metavar="N",
@@ -231,14 +231,17 @@ def _app_for(argv: list[str]) -> typer.Typer:
     typer builds every command's click parameters from its signature (resolving the annotations
     of all of them) before it looks at argv: a third of a warm no-op `stage verify`. A command
     named first needs only itself; its usage line, help and errors are the same as in the full
-    app. Anything else (no command, an option first, a group such as `fleet`) gets the full app."""
+    app; so is a group's (`fleet`) with its own commands. Anything else (no command, an option
+    first) gets the full app."""
     named = {info.name or typer.main.get_command_name(info.callback.__name__): info
              for info in app.registered_commands}
-    if not argv or argv[0] not in named:
+    groups = {info.name: info for info in app.registered_groups}
+    if not argv or argv[0] not in {*named, *groups}:
         return app
     narrow = typer.Typer(**_APP_SETTINGS)
     narrow.registered_callback = app.registered_callback
-    narrow.registered_commands = [named[argv[0]]]
+    narrow.registered_commands = [named[argv[0]]] if argv[0] in named else []
+    narrow.registered_groups = [groups[argv[0]]] if argv[0] in groups else []
     return narrow
 
 
@@ -311,7 +314,7 @@ _TYPE_WORDS = {int: "N", float: "N"}
 
 
 def _word_placeholders(command) -> None:
-    for sub in getattr(command, "commands", {}).values():
+    for sub in _commands(command):
         for param in sub.params:
             if param.param_type_name == "argument":
                 param.metavar = param.metavar or (param.name or "value").upper()
@@ -361,7 +364,7 @@ def _plain_conversions(command) -> None:
                 raise typer.BadParameter(f"{value!r} is not a {_KIND[self.convert]}", ctx=ctx, param=param) from None
 
     help_names = SimpleNamespace(help_option_names=_HELP_NAMES)  # all get_help_option reads of a context
-    for sub in (command, *getattr(command, "commands", {}).values()):
+    for sub in (command, *_commands(command)):
         for param in (*sub.params, sub.get_help_option(help_names)):  # -h/--help is a typer option too
             desc = getattr(param, "type_descriptor", None)
             if desc is None or getattr(param, "_runtime_param", False) is not None:

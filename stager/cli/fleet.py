@@ -1,61 +1,136 @@
-"""`stage fleet mirror|verify|pack-engram|audit|prune`: the node-local command on every node, over Ray."""
+"""`stage fleet mirror|verify|pack-engram|audit|prune`: the node-local command on every node, over Ray.
+
+One subcommand each, so that each help lists only the options that apply to it: a single help
+for all five listed `--full` under mirror, and then refused it there.
+"""
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 
-from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, QuietOpt, TimeoutOpt, VerboseOpt, app
+from stager.cli.app import FullOpt, JsonOpt, ManifestOpt, QuietOpt, TimeoutOpt, VerboseOpt, app, check_rate
 from stager.cli import terminal
 
+fleet_app = typer.Typer(
+    no_args_is_help=True,
+    help="Run a command on every node as Ray tasks; one table (or JSON object); exit code = worst node's.")
+app.add_typer(fleet_app, name="fleet")
 
-class FleetCommand(str, Enum):
-    mirror = "mirror"
-    verify = "verify"
-    pack_engram = "pack-engram"
-    audit = "audit"
-    prune = "prune"
+NodesOpt = Annotated[Optional[str], typer.Option(
+    "--nodes", metavar="NAME,NAME", help="Comma-separated node names [default: every node in the manifest]")]
+AllowOpenOpt = Annotated[bool, typer.Option(
+    "--allow-unauthenticated-cluster",
+    help="Run on a Ray cluster that accepts requests without a token (anyone who reaches it runs code)")]
 
 
-@app.command()
-def fleet(
-    command: Annotated[FleetCommand, typer.Argument(help="The node-local command to run on every node")],
-    nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma-separated node names (default: every node in the manifest)")] = None,
-    timeout: TimeoutOpt = 3600,
-    fan_out: Annotated[bool, typer.Option("--fan-out", help="mirror: one node from the NAS, the rest from staged peers over SFTP (--transport sftp)")] = False,
-    transport: Annotated[Optional[str], typer.Option(
-        "--transport", help="mirror: how bytes several nodes need move: broadcast (default with 2+ node addresses), sftp (the peer tree), nas (every node reads its source)")] = None,
-    ports: Annotated[Optional[str], typer.Option(
-        "--ports", metavar="LOW-HIGH", help="mirror --transport broadcast: TCP ports the relays listen on (default: any)")] = None,
-    full: FullOpt = False,
-    subset: Annotated[Optional[str], typer.Option("--subset", help="verify: check bucket N of T (N/T) on every node")] = None,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", "-n", help="prune: list what each node would remove, and remove nothing")] = False,
-    until_free: Annotated[Optional[str], typer.Option(
-        "--until-free", metavar="SIZE|reserve", help="prune: stop on each node once SIZE is free (see stage prune)")] = None,
-    only: Annotated[Optional[list[str]], typer.Option(
-        "--only", metavar="KIND", help="prune: remove only items of this kind (repeatable; see stage prune)")] = None,
-    allow_unauthenticated_cluster: Annotated[bool, typer.Option(
-        "--allow-unauthenticated-cluster",
-        help="Run on a Ray cluster that accepts requests without a token (anyone who reaches it runs code)")] = False,
-    json: JsonOpt = False,
-    manifest: ManifestOpt = None,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = 0,
-) -> None:
-    """Run a command on every node as Ray tasks; one table (or JSON object); exit code = worst node's."""
+def _run(command: str, nodes: Optional[str], timeout: float, allow_unauthenticated: bool, json: bool,
+         manifest: Optional[str], **options) -> None:
     from stager import fleet as core
     from stager.manifest import load_manifest
 
     names = [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None
-    prune = core.PruneOptions(dry_run, until_free, tuple(only or ()))
-    report = core.run_fleet(load_manifest(manifest), command.value, names, timeout=timeout, fan_out=fan_out, transport=transport, ports=ports,
-                            full=full, subset=subset, prune=prune, allow_unauthenticated=allow_unauthenticated_cluster)
+    report = core.run_fleet(load_manifest(manifest), command, names, timeout=timeout,
+                            allow_unauthenticated=allow_unauthenticated, **options)
     if json:
         terminal.emit_json(report.to_json())
     else:
         for line in core.table(report):
             terminal.say(line)
     raise typer.Exit(report.exit_code)
+
+
+@fleet_app.command("mirror")
+def fleet_mirror(
+    nodes: NodesOpt = None,
+    timeout: TimeoutOpt = 3600,
+    transport: Annotated[Optional[str], typer.Option(
+        "--transport", metavar="broadcast|sftp|nas",
+        help="How bytes several nodes need move: broadcast (default with 2+ node addresses), sftp (the peer "
+             "tree), nas (every node reads its source)")] = None,
+    fan_out: Annotated[bool, typer.Option(
+        "--fan-out", help="One node from the NAS, the rest from staged peers over SFTP (--transport sftp)")] = False,
+    ports: Annotated[Optional[str], typer.Option(
+        "--ports", metavar="LOW-HIGH", help="--transport broadcast: TCP ports the relays listen on [default: any]")] = None,
+    bwlimit: Annotated[Optional[str], typer.Option(
+        "--bwlimit", metavar="RATE", callback=check_rate,
+        help="Each node reads at most RATE from its source (the NAS, or its peer with --transport sftp), as "
+             "stage mirror --bwlimit; not with the broadcast transport (docs/fleet.md)")] = None,
+    allow_unauthenticated_cluster: AllowOpenOpt = False,
+    json: JsonOpt = False,
+    manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Stage every node (stage mirror on each); bytes two or more nodes need leave the NAS once."""
+    _run("mirror", nodes, timeout, allow_unauthenticated_cluster, json, manifest, transport=transport,
+         fan_out=fan_out, ports=ports, bwlimit=bwlimit)
+
+
+@fleet_app.command("verify")
+def fleet_verify(
+    nodes: NodesOpt = None,
+    timeout: TimeoutOpt = 3600,
+    full: FullOpt = False,
+    subset: Annotated[Optional[str], typer.Option(
+        "--subset", metavar="N/T", help="Check bucket N of T of the blobs on every node (see stage verify)")] = None,
+    allow_unauthenticated_cluster: AllowOpenOpt = False,
+    json: JsonOpt = False,
+    manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Verify every node (stage verify on each)."""
+    _run("verify", nodes, timeout, allow_unauthenticated_cluster, json, manifest, full=full, subset=subset)
+
+
+@fleet_app.command("pack-engram")
+def fleet_pack_engram(
+    nodes: NodesOpt = None,
+    timeout: TimeoutOpt = 3600,
+    allow_unauthenticated_cluster: AllowOpenOpt = False,
+    json: JsonOpt = False,
+    manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Pack every node's Engram row shards (stage pack-engram on each, its manifest ranks)."""
+    _run("pack-engram", nodes, timeout, allow_unauthenticated_cluster, json, manifest)
+
+
+@fleet_app.command("audit")
+def fleet_audit(
+    nodes: NodesOpt = None,
+    timeout: TimeoutOpt = 3600,
+    allow_unauthenticated_cluster: AllowOpenOpt = False,
+    json: JsonOpt = False,
+    manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Audit every node's disk space (stage audit on each)."""
+    _run("audit", nodes, timeout, allow_unauthenticated_cluster, json, manifest)
+
+
+@fleet_app.command("prune")
+def fleet_prune(
+    nodes: NodesOpt = None,
+    timeout: TimeoutOpt = 3600,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", "-n", help="List what each node would remove, and remove nothing")] = False,
+    until_free: Annotated[Optional[str], typer.Option(
+        "--until-free", metavar="SIZE|reserve", help="Stop on each node once SIZE is free (see stage prune)")] = None,
+    only: Annotated[Optional[list[str]], typer.Option(
+        "--only", metavar="KIND", help="Remove only items of this kind (repeatable; see stage prune)")] = None,
+    allow_unauthenticated_cluster: AllowOpenOpt = False,
+    json: JsonOpt = False,
+    manifest: ManifestOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Prune every node (stage prune on each)."""
+    from stager.fleet import PruneOptions
+
+    _run("prune", nodes, timeout, allow_unauthenticated_cluster, json, manifest,
+         prune=PruneOptions(dry_run, until_free, tuple(only or ())))

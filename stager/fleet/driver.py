@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from stager.base.errors import EXIT_CANNOT_RUN, EXIT_OK, BadInput
 from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
-from stager.fleet.node import LABEL, LOCK_WAIT, node_argv, run_on_node
+from stager.fleet.node import LABEL, LOCK_WAIT, mirror_options, node_argv, run_on_node
 from stager.fleet.report import BYTES_KEY, STATUS, Delivery, FleetReport, NodeRun, unreachable
 from stager.manifest import Manifest
 
@@ -52,7 +52,7 @@ class PruneOptions:
 
 def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
               fan_out: bool = False, transport: str | None = None, ports: str | None = None, full: bool = False,
-              subset: str | None = None, prune: PruneOptions = PruneOptions(),
+              subset: str | None = None, prune: PruneOptions = PruneOptions(), bwlimit: str | None = None,
               allow_unauthenticated: bool = False) -> FleetReport:
     names = list(dict.fromkeys(nodes or manifest.nodes))
     if not names:
@@ -63,7 +63,8 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     port_range = parse_ports(ports)
     if port_range and transport != "broadcast":
         raise BadInput("--ports applies to the broadcast transport only (stage fleet mirror)")
-    options = verify_options(command, full, subset) + prune_options(command, prune)
+    options = verify_options(command, full, subset) + prune_options(command, prune) + mirror_options(
+        command, transport, bwlimit)
     ray = import_ray()
     started = time.monotonic()
     # Ray prints what its raylets report (a worker killed, ...) on this process's stdout, where

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from stager.base.errors import BadInput
 from stager.manifest import Manifest
 
 # The Ray node label that carries a node's manifest name: how a task finds its node.
@@ -30,6 +31,20 @@ def node_argv(manifest: Manifest, command: str, node: str, source: str | None = 
     if source:
         argv += ["--source", source]
     return argv + list(options)
+
+
+def mirror_options(command: str, transport: str | None, bwlimit: str | None) -> tuple[str, ...]:
+    """`--bwlimit RATE` for each node's `stage mirror`: each node reads at most RATE from its
+    sources. The broadcast's head reads the NAS, and its closing mirrors run, inside the nodes'
+    agents, which take no rate yet: refused there rather than silently not applied."""
+    if bwlimit is None:
+        return ()
+    if command != "mirror":
+        raise BadInput(f"--bwlimit applies to `stage fleet mirror` only, not {command}")
+    if transport == "broadcast":
+        raise BadInput("--bwlimit is not applied by the broadcast transport yet: "
+                       "add --transport nas (every node reads the NAS at RATE) or --transport sftp")
+    return "--bwlimit", bwlimit
 
 
 def run_on_node(argv: list[str], timeout: float) -> dict:

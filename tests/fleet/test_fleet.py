@@ -753,16 +753,20 @@ def test_each_node_runs_the_node_local_command_with_its_own_rank(nas, sshd, tmp_
 
 def test_misuse_is_bad_input(nas, sshd, tmp_path):
     manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd)
+    # Each fleet command takes only its own options (tests/cli/test_fleet_cli.py checks every help).
     result, _ = fleet("verify", "--fan-out", "--manifest", manifest)
-    assert result.code == 2 and "--fan-out applies to `stage fleet mirror` only" in result.stderr
+    assert result.code == 2 and "No such option: --fan-out" in result.stderr
     result, _ = fleet("verify", "--nodes", "dgx1,nope", "--manifest", manifest)
     assert result.code == 2 and "nodes.nope: no such node" in result.stderr
     result, _ = fleet("mirror", "--full", "--manifest", manifest)
-    assert result.code == 2 and "--full and --subset apply to `stage fleet verify` only, not mirror" in result.stderr
+    assert result.code == 2 and "No such option: --full" in result.stderr
     result, _ = fleet("verify", "--subset", "3", "--manifest", manifest)
     assert result.code == 2 and "--subset expects N/T such as 3/7, got '3'" in result.stderr
     result, _ = fleet("mirror", "--until-free", "1GiB", "--manifest", manifest)
-    assert result.code == 2 and "apply to `stage fleet prune` only, not mirror" in result.stderr
+    assert result.code == 2 and "No such option: --until-free" in result.stderr
+    # Every node has an address: the broadcast, whose agents take no rate yet.
+    result, _ = fleet("mirror", "--bwlimit", "50M", "--manifest", manifest)
+    assert result.code == 2 and "--bwlimit is not applied by the broadcast transport yet" in result.stderr
     result, _ = fleet("prune", "--only", "snapshots", "--manifest", manifest)
     assert result.code == 2 and "--only: snapshots is not a kind" in result.stderr
 

@@ -1,0 +1,110 @@
+"""`stage fleet`: one help per command, listing exactly the options that command takes (one help
+for all five listed `--full` and `--until-free` under mirror, then refused them there); and
+`--bwlimit`, checked on the driver and handed on to each node's own `stage mirror`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import sha256_file
+from stager.fleet.node import mirror_options, node_argv, run_on_node
+from stager.manifest import load_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+STAGE = [str(BIN / "stage")] if (BIN / "stage").exists() else [sys.executable, "-m", "stager"]
+MiB = 1024 * 1024
+
+COMMON = {"--nodes", "--timeout", "--allow-unauthenticated-cluster", "--json", "-m", "--manifest", "-q", "--quiet",
+          "-v", "--verbose", "-h", "--help"}
+OWN = {
+    "mirror": {"--transport", "--fan-out", "--ports", "--bwlimit"},
+    "verify": {"--full", "--subset"},
+    "pack-engram": set(),
+    "audit": set(),
+    "prune": {"-n", "--dry-run", "--until-free", "--only"},
+}
+
+
+def stage(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*STAGE, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def listed_options(help_text: str) -> set[str]:
+    """The option names of a click help's Options section (the first column)."""
+    names = set()
+    for line in help_text.splitlines():
+        match = re.match(r"^  (-[\w-]+)(?:, (-[\w-]+))?", line)
+        if match:
+            names.update(name for name in match.groups() if name)
+    return names
+
+
+@pytest.mark.parametrize("command", sorted(OWN))
+def test_each_fleet_command_has_its_own_help(command):
+    short, long = stage("fleet", command, "-h"), stage("fleet", command, "--help")
+    assert short.returncode == 0 and short.stdout == long.stdout, short.stderr
+    assert short.stdout.startswith(f"Usage: stage fleet {command} [OPTIONS]\n"), short.stdout
+    assert listed_options(short.stdout) == COMMON | OWN[command], short.stdout
+    # An option of another fleet command is refused by the parser, naming it (exit 2).
+    for other in sorted(set().union(*OWN.values()) - OWN[command] - {"-n"}):
+        refused = stage("fleet", command, other, "--manifest", "/nonexistent.toml")
+        assert refused.returncode == 2 and f"No such option: {other}" in refused.stderr, (other, refused.stderr)
+
+
+def test_the_fleet_help_lists_its_commands():
+    result = stage("fleet", "-h")
+    assert result.returncode == 0 and result.stdout.startswith("Usage: stage fleet [OPTIONS] COMMAND [ARGS]...")
+    listed = re.findall(r"^  ([a-z-]+) ", result.stdout.split("Commands:")[1], flags=re.M)
+    assert listed == ["mirror", "verify", "pack-engram", "audit", "prune"], result.stdout
+    assert listed_options(result.stdout) == {"-h", "--help"}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("fleet-cli")
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_demo_nas.py"), str(where / "demo")], check=True,
+                   capture_output=True)
+    return where / "demo" / "cluster.toml"
+
+
+def test_bwlimit_is_refused_before_the_cluster_is_asked(demo, tmp_path):
+    for value in ("50MB/s", "fast", "10M:1M"):
+        result = stage("fleet", "mirror", "--bwlimit", value, "--json", "--manifest", demo)
+        assert result.returncode == 2 and "Invalid value for '--bwlimit'" in result.stderr, result.stderr
+        assert json.loads(result.stdout)["exit_code"] == 2
+    # Two nodes with addresses choose the broadcast, whose agents take no rate yet: refused, not ignored.
+    addressed = tmp_path / "addressed.toml"
+    addressed.write_text(demo.read_text().replace("[nodes.dgx1]\n", '[nodes.dgx1]\naddress = "dgx1"\n')
+                         .replace("[nodes.dgx2]\n", '[nodes.dgx2]\naddress = "dgx2"\n'))
+    result = stage("fleet", "mirror", "--bwlimit", "50M", "--manifest", addressed)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == ("stage: error: --bwlimit is not applied by the broadcast transport yet: add "
+                                     "--transport nas (every node reads the NAS at RATE) or --transport sftp")
+
+
+def test_each_node_mirrors_at_the_rate(demo):
+    """What a node's Ray task runs for `stage fleet mirror --transport nas --bwlimit 8M`: the
+    node-local command line, run as the task runs it, reads the NAS at 8 MiB/s."""
+    manifest = load_manifest(str(demo))
+    assert mirror_options("mirror", "nas", None) == ()
+    argv = node_argv(manifest, "mirror", "dgx1", None, mirror_options("mirror", "nas", "8M"))
+    assert argv[-2:] == ["--bwlimit", "8M"]
+    shutil.rmtree(demo.parent / "nvme", ignore_errors=True)
+    answer = run_on_node(argv, timeout=120)
+    assert answer["code"] == 0, answer["stderr"]
+    report = json.loads(answer["stdout"])
+    weights = list((demo.parent / "nvme" / "hf" / "hub").glob("models--*/snapshots/*/*.safetensors"))
+    assert len(weights) == 5
+    for staged in weights:  # each LFS blob is named by its SHA-256
+        assert sha256_file(staged) == os.path.basename(os.readlink(staged))
+    # At least the copied bytes at the rate (samples come on top); unlimited, the demo takes 0.2 s.
+    assert report["seconds"] >= 0.9 * report["copied_bytes"] / (8 * MiB), report
