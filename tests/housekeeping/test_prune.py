@@ -7,7 +7,6 @@ real flock held by another process, real kill -9, huggingface_hub's own `scan_ca
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
@@ -15,87 +14,16 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_stage, sha256_file, write_manifest
+from conftest import REPO, sha256_file, write_manifest
 from hub_mock import HubMock
-from hubgen import Hub, random_safetensors
+from prune_fixtures import (HOLD_MMAP, MODEL, MODEL_DIR, OLD_DIR, STAGE, Node, build_node, guard, listed,
+                            scan_clean, verify_full)
+from prune_fixtures import nas_guard  # noqa: F401 - autouse: the NAS is byte-identical after every test
 from reliability_support import kill_at, needs_root, tmpfs, tree_state, untouched
-
-MODEL, OLD = "acme/Model", "acme/Old"
-MODEL_DIR, OLD_DIR = "models--acme--Model", "models--acme--Old"
-STAGE = [sys.executable, "-m", "stager"]
-
-
-@dataclass
-class Node:
-    root: Path
-    nas: Path
-    hub: Path
-    manifest: Path
-    old: str  # the commit of acme/Model the manifest no longer wants
-    new: str
-    files: dict[str, dict[str, bytes]]  # commit -> snapshot path -> bytes (for the Hub endpoint)
-
-    def stage(self, *args: str, timeout: float = 120):
-        return run_stage(*args, "--node", "dgx1", "--manifest", self.manifest, timeout=timeout)
-
-    def prune(self, *args: str):
-        return self.stage("prune", "--json", *args)
-
-    def kept_hashes(self) -> dict[str, str]:
-        """sha256 of every file the wanted revision resolves to."""
-        snap = self.hub / MODEL_DIR / "snapshots" / self.new
-        return {str(p.relative_to(snap)): sha256_file(p) for p in sorted(snap.rglob("*")) if p.is_file()}
-
-
-def build_node(root: Path, *, extra_files: int = 0) -> Node:
-    """acme/Model staged at two commits (the first no longer wanted; one weight shared between
-    them through the shared store), and acme/Old staged, then dropped from the node's models.
-    `extra_files` gives the old revision that many more small files of its own."""
-    nas = Hub(root / "nas" / "hf" / "hub")
-    hub = root / "nvme" / "hf" / "hub"
-    shared = random_safetensors(1, 96 * 1024)
-    files: dict[str, dict[str, bytes]] = {}
-
-    def snapshot(repo: str, contents: dict[str, bytes], shared_paths: set[str]) -> str:
-        snap = nas.repo(repo).snapshot()
-        for path, data in contents.items():
-            if path.endswith(".safetensors"):
-                snap.add_lfs(path, data, shared=path in shared_paths)
-            else:
-                snap.add_git(path, data)
-        snap.finish()
-        files[snap.commit] = contents
-        return snap.commit
-
-    old_files = {"config.json": b'{"v": 1}', "model-00001-of-00002.safetensors": shared,
-                 "model-00002-of-00002.safetensors": random_safetensors(2, 64 * 1024)}
-    old_files.update({f"extra/part-{i:05d}.txt": b"old %d\n" % i for i in range(extra_files)})
-    old = snapshot(MODEL, old_files, {"model-00001-of-00002.safetensors"})
-    snapshot(OLD, {"config.json": b'{"old": true}', "model.safetensors": random_safetensors(3, 48 * 1024)},
-             {"model.safetensors"})
-    manifest = write_manifest(root / "cluster.toml", nas.root, hub, {MODEL: {}, OLD: {}})
-    assert run_stage("mirror", "--node", "dgx1", "--manifest", manifest).code == 0
-    new = snapshot(MODEL, {"config.json": b'{"v": 2}', "model-00001-of-00002.safetensors": shared,
-                           "model-00002-of-00002.safetensors": random_safetensors(4, 64 * 1024)},
-                   {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"})
-    assert run_stage("mirror", "--node", "dgx1", "--manifest", manifest).code == 0
-    write_manifest(manifest, nas.root, hub, {MODEL: {}})
-    assert (hub / MODEL_DIR / "snapshots" / old).is_dir() and (hub / OLD_DIR).is_dir()
-    return Node(root, nas.root, hub, manifest, old, new, files)
-
-
-def scan_clean(hub: Path) -> None:
-    """huggingface_hub's own scanner, offline, in a process of its own: no warnings."""
-    code = ("import sys\nfrom huggingface_hub import scan_cache_dir\n"
-            "info = scan_cache_dir(sys.argv[1])\nassert not info.warnings, info.warnings\n")
-    ran = subprocess.run([sys.executable, "-c", code, str(hub)], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert ran.returncode == 0, ran.stderr
 
 
 def hf_verify(node: Node, hub_mock: HubMock) -> None:
@@ -110,19 +38,9 @@ def hf_verify(node: Node, hub_mock: HubMock) -> None:
     assert ran.returncode == 0 and "All checksums match" in ran.stdout, ran.stdout + ran.stderr
 
 
-def verify_full(node: Node) -> None:
-    ran = node.stage("verify", "--full", "--json")
-    assert ran.code == 0, ran.stdout + ran.stderr
-    assert ran.json["ok"] == ran.json["checked"] > 0
-
-
 @pytest.fixture
 def node(tmp_path: Path) -> Node:
     return build_node(tmp_path)
-
-
-def listed(items: list[dict]) -> list[tuple]:
-    return [(i["path"], i["kind"], i["bytes"]) for i in items]
 
 
 def test_prune_removes_exactly_what_the_audit_and_the_dry_run_list(node: Node):
@@ -178,21 +96,6 @@ def test_prune_removes_exactly_what_the_audit_and_the_dry_run_list(node: Node):
     assert f'stage_pruned_bytes_total{{node="dgx1"}} {freed}' in prom.read_text()
 
 
-HOLD_MMAP = r"""
-import ctypes, mmap, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-fd = os.open(sys.argv[1], os.O_RDONLY)
-address = libc.mmap(None, os.fstat(fd).st_size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-# The descriptor is closed: only the mapping keeps the file in use, as an inference engine's does.
-os.close(fd)
-print("mapped", flush=True)
-sys.stdin.read()
-"""
-
-
 def test_a_mapped_blob_keeps_its_revision_in_use(node: Node):
     """A process maps a weight of the unwanted revision through its snapshot path (a symlink to the
     blob) and closes the file: the revision is listed in_use with that pid and command, and stays."""
@@ -202,7 +105,7 @@ def test_a_mapped_blob_keeps_its_revision_in_use(node: Node):
     holder = subprocess.Popen([sys.executable, "-c", HOLD_MMAP, str(old_weight)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "mapped"
+        assert holder.stdout.readline().strip() == "held"
         assert not any(f"/{blob.name}" in os.readlink(f"/proc/{holder.pid}/fd/{fd}")
                        for fd in os.listdir(f"/proc/{holder.pid}/fd"))  # mapped, not open
         audit = node.stage("audit", "--json")
@@ -365,6 +268,7 @@ def test_kill_at_random_points_then_a_rerun_leaves_a_clean_hub(tmp_path: Path):
             node = Node(root, root / "nas" / "hf" / "hub", root / "nvme" / "hf" / "hub", root / "cluster.toml",
                         template.old, template.new, template.files)
             node.manifest.write_text(template.manifest.read_text().replace(str(template.root), str(root)))
+            guard(node.nas)
             command = [*STAGE, "prune", "--node", "dgx1", "--json", "--manifest", str(node.manifest)]
             old_snapshot = node.hub / MODEL_DIR / "snapshots" / node.old
             started = lambda: (node.hub / ".locks" / "stage-journal.jsonl").exists()  # noqa: E731
