@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from stager.base import hints
+from stager.cli import completion
 from stager.base.errors import EXIT_BAD_INPUT, BadInput, StageError, ending
 from stager.manifest import MAX_TP  # the manifest's bound on world, ranks and layers
 
@@ -26,7 +27,7 @@ _APP_SETTINGS = dict(
     name="stage",
     help="Stage model weights and Engram row shards onto node-local NVMe, verified.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=False,  # completion.py's two options instead: --show-completion takes the shell
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts show "[default: ...]" literally
     context_settings={"help_option_names": _HELP_NAMES},  # inherited by every subcommand
@@ -113,6 +114,12 @@ def _print_version(value: bool) -> None:
 def _stage(
     version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
                                           help="Print the version and exit")] = False,
+    install_completion: Annotated[bool, typer.Option(
+        "--install-completion", callback=completion.install, is_eager=True, expose_value=False,
+        help="Install completion for the shell running stage (bash, zsh, fish)")] = False,
+    show_completion: Annotated[Optional[completion.Shell], typer.Option(
+        "--show-completion", metavar="SHELL", callback=completion.show, is_eager=True, expose_value=False,
+        help="Print the completion script for SHELL (bash, zsh, fish), to install it by hand")] = None,
 ) -> None:
     """Stage model weights and Engram row shards onto node-local NVMe, verified."""
 
@@ -180,6 +187,7 @@ def main() -> None:
 def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
     """(exit code, the one line for stderr, the error for a --json object) of running the command."""
     try:
+        completion.serve_requests()
         command = typer.main.get_command(_app_for(argv))
         _word_placeholders(command)
         _plain_conversions(command)
