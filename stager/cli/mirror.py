@@ -32,6 +32,7 @@ def mirror(
     """Mirror the node's models into its local hub, then verify them."""
     from stager.base.units import parse_rate
     from stager.mirror import pipeline as core
+    from stager.base.text import known_as
     from stager.manifest import load_manifest
 
     job = core.node_job(load_manifest(manifest), node, model, jobs=jobs or core.default_jobs(), seed=seed,
@@ -40,8 +41,8 @@ def mirror(
     if json:
         terminal.emit_json(report.to_json())
     else:
-        for item in report.would_copy:
-            terminal.report(f"  would copy {terminal.printable(item['path'])} "
+        for item in sorted(report.would_copy, key=lambda item: item["name"]):
+            terminal.report(f"  would copy {terminal.printable(known_as(item['name'], item['blob']))} "
                             f"({terminal.size(item['bytes'])}): {item['reason']}")
         verb = "would copy" if dry_run else "copied"
         terminal.report(f"{node}: {verb} {terminal.count(report.copied_files, 'file')} "

@@ -17,7 +17,7 @@ from typing import Callable
 import typer
 
 from stager.base.errors import EXIT_OK, EXIT_PROBLEMS
-from stager.base.text import printable
+from stager.base.text import known_as, printable
 from stager.base.units import format_size
 
 _json_emitted = False
@@ -153,9 +153,14 @@ def byte_progress(enabled: bool, desc: str) -> Callable[[int], Callable[[int], N
 
 def print_problems(problems: list, *, to_stdout: bool = False) -> None:
     """One line per problem: kind, path, detail. Part of the result for commands whose report is
-    text (`to_stdout`); a note beside it for those whose stdout is machine input (binds)."""
+    text (`to_stdout`); a note beside it for those whose stdout is machine input (binds). A
+    problem with a snapshot file leads with the names people know it by, its path at the end."""
     for problem in problems:
-        (report if to_stdout else say)(f"  {problem.kind:<16} {printable(problem.path)}: {printable(problem.detail)}")
+        if getattr(problem, "name", None):
+            line = f"{known_as(problem.name, problem.blob)}: {problem.detail} ({problem.path})"
+        else:
+            line = f"{problem.path}: {problem.detail}"
+        (report if to_stdout else say)(f"  {problem.kind:<16} {printable(line)}")
 
 
 def print_pending(pending: list) -> None:

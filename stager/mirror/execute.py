@@ -84,7 +84,7 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
         except StageError:
             raise
         except (_Mismatch, OSError) as exc:
-            problem = _copy_problem(exc, copy, source, local_hub)
+            problem = _copy_problem(exc, copy, source, local_hub).about(copy.name, copy.blob)
             with tally.lock:
                 tally.failed.add(copy.dest)
                 tally.problems.append(problem)
@@ -93,7 +93,7 @@ def execute(plan: Plan, source, local_hub: Path, cache: DigestCache, *, full: bo
             tally.files += 1
             tally.bytes += copy.size
         if log.isEnabledFor(logging.INFO):  # not a path built per file of a 100k-file run for nothing
-            log.info("copied %s (%s): %s", inside(local_hub, copy.dest), format_size(copy.size), copy.reason)
+            log.info("copied %s (%s): %s", copy.known_as, format_size(copy.size), copy.reason)
         if small and len(batch) >= BATCH_FILES:
             batch.commit()  # outside the per-file handler: a failed sync fails the run, not one file
 

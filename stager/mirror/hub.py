@@ -59,14 +59,31 @@ def is_shared_payload(rel: str) -> bool:
 
 @dataclass(frozen=True)
 class Problem:
-    """Something that could not be staged or verified. `path` names the offending file."""
+    """Something that could not be staged or verified. `path` names the offending file; a problem
+    with one snapshot entry also carries the names people know it by (`snapshot_name`)."""
 
     path: str
     kind: str  # escape | dangling | loop | not_a_file | unreadable | missing | mismatch | remote | ...
     detail: str
+    name: str | None = None  # acme/Flash-3bpw@c24c615/model-00003-of-00017.safetensors
+    blob: str | None = None  # the repo blob the entry links to (its sha256 or git sha1), when known
 
     def to_json(self) -> dict:
-        return {"path": self.path, "kind": self.kind, "detail": self.detail}
+        named = {"name": self.name, "blob": self.blob} if self.name else {}
+        return {"path": self.path, "kind": self.kind, "detail": self.detail, **named}
+
+    def about(self, name: str, blob: str | None) -> "Problem":
+        """This problem, named after the snapshot entry it concerns."""
+        return replace(self, name=name, blob=blob)
+
+
+def snapshot_name(repo_id: str, snapshot_rel: str) -> str:
+    """How people name a snapshot file: repo id, 7-hex short commit, path in the snapshot
+    (`acme/Flash-3bpw@c24c615/model-00003-of-00017.safetensors`), from its hub-relative path
+    `models--acme--Flash-3bpw/snapshots/<commit>/<path>`. A hub path tells nothing by itself:
+    its blob's name is a hash, and the same blob serves several repos."""
+    _repo_dir, _snapshots, commit, path = snapshot_rel.split("/", 3)
+    return f"{repo_id}@{commit[:7]}/{path}"
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,11 @@ class Entry:
     @property
     def final(self) -> str:
         return self.chain[-1]
+
+    @property
+    def name(self) -> str:
+        """The name people know it by (snapshot_name)."""
+        return snapshot_name(self.repo_id, self.rel)
 
     @property
     def etag(self) -> str | None:
@@ -414,11 +436,12 @@ def walk_repo(source: Source, repo_id: str, revision: str, exclude: list[str], *
             if kind == "other":
                 raise LinkError("not_a_file", f"{source.display(rel)} is a special file, not a regular file")
             chain, final = resolve_chain(source, rel)
-        except LinkError as exc:
-            problems.append(Problem(source.display(rel), exc.kind, exc.detail))
+        except LinkError as exc:  # the chain is broken: no blob to name
+            problems.append(Problem(source.display(rel), exc.kind, exc.detail, snapshot_name(repo_id, rel)))
             continue
         except OSError as exc:
-            problems.append(Problem(source.display(rel), "unreadable", exc.strerror or str(exc)))
+            problems.append(Problem(source.display(rel), "unreadable", exc.strerror or str(exc),
+                                    snapshot_name(repo_id, rel)))
             continue
         entries.append(Entry(repo_id, path, chain, final.size, final.mtime_ns))
     _refuse_senseless_exclude(repo_id, snap_dir, entries, excluded, exclude, len(seen))

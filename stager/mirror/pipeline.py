@@ -62,7 +62,7 @@ class MirrorReport:
     bytes_needed: int = 0
     source: str = ""
     verify: VerifyReport | None = None
-    would_copy: list[dict] = field(default_factory=list)  # --dry-run: {path, source, bytes, reason} per copy
+    would_copy: list[dict] = field(default_factory=list)  # --dry-run: {path, source, bytes, reason, name, blob} per copy
     pending: list[Pending] = field(default_factory=list)  # NAS revisions still downloading; the node stays put
 
     def to_json(self) -> dict:
@@ -244,8 +244,8 @@ def _summarize(report: MirrorReport, plan: Plan, snapshots: list[RepoSnapshot], 
     if report.dry_run:
         report.copied_files = len(plan.copies)
         report.copied_bytes = plan.bytes_to_copy
-        report.would_copy = [{"path": c.dest, "source": c.source, "bytes": c.size, "reason": c.reason}
-                             for c in plan.copies]
+        report.would_copy = [{"path": c.dest, "source": c.source, "bytes": c.size, "reason": c.reason,
+                              "name": c.name, "blob": c.blob} for c in plan.copies]
     report.seconds = time.monotonic() - started
     return report
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from stager.mirror.fingerprint import Reference, Verdict, reference_for
+from stager.base.text import known_as
 from stager.mirror.hub import Entry, Problem, RepoSnapshot, is_shared_payload
 
 
@@ -27,6 +28,12 @@ class CopyFile:
     mtime_ns: int
     reference: Reference
     reason: str  # "missing", "size differs", "sampled fingerprint differs", "wrong hardlink", ...
+    name: str = ""  # the snapshot name of the first entry that ends in it (hub.snapshot_name)
+    blob: str | None = None  # that entry's repo blob
+
+    @property
+    def known_as(self) -> str:
+        return known_as(self.name, self.blob)
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,8 @@ def make_plan(snapshots: list[RepoSnapshot], local: dict[str, LocalState], meta_
         if reason is None:
             kept += 1
             continue
-        copies.append(CopyFile(dest, entry.final, entry.size, entry.mtime_ns, reference, reason))
+        copies.append(CopyFile(dest, entry.final, entry.size, entry.mtime_ns, reference, reason, entry.name,
+                               entry.etag))
     links = []
     for dest, target in sorted(wanted_links(snapshots).items()):
         state = local.get(dest, LocalState("absent"))

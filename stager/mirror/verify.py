@@ -23,6 +23,7 @@ from stager.mirror.hub import BadRef, Entry, Pending, Problem, RepoSnapshot, rea
 from stager.mirror.observe import META_LIMIT, DigestCache, expected_digest, local_digest
 from stager.mirror.plan import kept_hops
 from stager.base.small_files import read_regular
+from stager.base.text import known_as
 from stager.base.workers import worker_pool
 
 
@@ -168,7 +169,7 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
             final, problem, links = check_local_chain(local_hub, entry.rel, realpath, sources)
             report.checked += 1
             if problem is not None:
-                report.problems.append(problem)
+                report.problems.append(problem.about(entry.name, entry.etag))
                 continue
             report.links_ok += links
             if subset is None or subset.contains(kept_hops(entry, snap.repo_dir)[-1]):
@@ -190,11 +191,11 @@ def verify_snapshots(source, local_hub: Path, snapshots: list[RepoSnapshot], cac
     with worker_pool(jobs, "stage-verify", "checks") as pool:
         for (entry, _snap, _final), (problem, reread) in pool.map(content, work):
             if problem is not None:
-                report.problems.append(problem)
+                report.problems.append(problem.about(entry.name, entry.etag))
             else:
                 report.ok += 1
                 if log.isEnabledFor(logging.INFO):
-                    log.info("ok %s (%s)", local_hub / entry.rel, report.mode)
+                    log.info("ok %s (%s)", known_as(entry.name, entry.etag), report.mode)
             if reread:
                 report.reread.append(str(local_hub / entry.rel))
     return report

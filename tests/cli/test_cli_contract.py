@@ -684,9 +684,11 @@ def test_quiet_keeps_the_result_and_errors_verbose_names_each_file(tmp_path):
     hub = tmp_path / "demo" / "nvme" / "hf" / "hub"
     loud = stage("mirror", "--node", "dgx1", "-vv", "--manifest", rel, cwd=tmp_path)
     assert loud.returncode == 0, loud.stderr
-    copied = [line.split(" (")[0].removeprefix("copied ") for line in loud.stderr.splitlines()
-              if line.startswith("copied ")]
-    assert len(copied) == 9 and all(Path(p).is_file() and p.startswith(f"{hub}/") for p in copied), loud.stderr
+    # Each file by the name people know it by (repo@commit/path, tests/cli/test_names.py), staged.
+    copied = [line.split(" ")[1] for line in loud.stderr.splitlines() if line.startswith("copied ")]
+    staged = [next(hub.glob(f"models--{name.split('@')[0].replace('/', '--')}/snapshots/"
+                            f"{name.split('@')[1].split('/')[0]}*/{name.split('/', 2)[2]}"), None) for name in copied]
+    assert len(copied) == 9 and all(p is not None and p.is_file() for p in staged), loud.stderr
     assert re.search(r"^plan: 9 copies \(", loud.stderr, flags=re.M), loud.stderr  # -vv: the debug detail
     normal = stage("binds", "--node", "dgx1", "--manifest", rel, cwd=tmp_path)
     quiet = stage("binds", "--node", "dgx1", "--quiet", "--manifest", rel, cwd=tmp_path)
