@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import threading
 from pathlib import Path
 
@@ -24,14 +25,25 @@ from stager.fleet.report import ALLOW_OPEN
 
 # ray.init retries a dead GCS address forever; joining a live cluster takes a few seconds.
 CONNECT_TIMEOUT = 60.0
-INSTALL_HINT = "stage fleet needs Ray on every node: pip install 'stager[fleet]' (see docs/fleet.md)"
+# From the checkout: no `stager` on PyPI is this project, so `pip install 'stager[fleet]'` is not.
+INSTALL_HINT = "stage fleet needs Ray on every node: pip install '.[fleet]' in the stager checkout (see docs/fleet.md)"
 TOKEN_REMEDY = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<a copy of the cluster's token file, "
                 "mode 0600> (docs/fleet.md)")
 # What the cluster did with a request (_knock); UNCLEAR covers every other gRPC status.
 ANSWERED, UNAUTHENTICATED, SILENT, UNCLEAR = "answered", "unauthenticated", "silent", "unclear"
 
 
+# Ray colours what it passes on from the raylets (a worker killed, ...), and the "[repeated Nx
+# across cluster]" of a line it folded, whatever the stream: in a log file or a pipe those are
+# escape codes around every such line. The first has a switch; the second has none but the
+# folding itself, so off a terminal each line comes as Ray got it. An operator's setting wins.
+PLAIN_RAY_OUTPUT = {"RAY_COLOR_PREFIX": "0", "RAY_DEDUP_LOGS": "0"}
+
+
 def import_ray():
+    if not sys.stderr.isatty():  # the driver sends Ray's stdout to stderr too (driver.run_fleet)
+        for name, value in PLAIN_RAY_OUTPUT.items():
+            os.environ.setdefault(name, value)  # RAY_DEDUP_LOGS is read when ray is imported
     try:
         import ray
     except ImportError:

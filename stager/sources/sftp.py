@@ -66,7 +66,7 @@ BYTES_IN_FLIGHT = 4 * 1024 * 1024
 # one pass of the cipher instead of two, 1.6 against 2.3 CPU s per GB in the client, measured as
 # above. Only the order changes: a server without it still gets what it has.
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
-INSTALL_HINT = "sftp sources need paramiko: pip install 'stager[sftp]'"
+INSTALL_HINT = "sftp sources need paramiko: pip install '.[sftp]' in the stager checkout (see docs/fleet.md)"
 
 
 @dataclass(frozen=True)

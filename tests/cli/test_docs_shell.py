@@ -32,8 +32,8 @@ NOT_RUN = {
     ("README.md", "bash scripts/test.sh"): "the whole suite, this test included",
     ("benchmarks.md", "python3 -m venv .venv && .venv/bin/pip install -q .     # the README's set-up"):
         "minutes of benchmark rounds; tests/tools/test_bench.py runs the bench",
-    ("fleet.md", "pip install 'stager[fleet]'        # ray[default], paramiko, fsspec"):
-        "installs from the package registry",
+    ("fleet.md", "pip install '.[fleet]'             # in the checkout: ray[default]>=2.52, paramiko, fsspec"):
+        "installs Ray and its dependencies from the package registry into the environment",
     ("fleet.md", "(umask 077; ray get-auth-token --generate >/dev/null)   # writes ~/.ray/auth_token"):
         "writes the operator's ~/.ray; tests/fleet/test_fleet.py starts token-authenticated Ray clusters",
     ("fleet.md", "# on every node, and for `stage fleet`: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=... as above"):

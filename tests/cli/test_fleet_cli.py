@@ -108,3 +108,51 @@ def test_each_node_mirrors_at_the_rate(demo):
         assert sha256_file(staged) == os.path.basename(os.readlink(staged))
     # At least the copied bytes at the rate (samples come on top); unlimited, the demo takes 0.2 s.
     assert report["seconds"] >= 0.9 * report["copied_bytes"] / (8 * MiB), report
+
+
+RAY_PRINTS = """
+import contextlib, sys
+from stager.fleet.cluster import import_ray
+import_ray()
+from ray._private.worker import print_to_stdstream
+line = {"lines": ["A worker died or was killed while executing a task"], "pid": "raylet", "is_err": False,
+        "ip": "10.0.0.1", "localhost": "10.0.0.2"}
+with contextlib.redirect_stdout(sys.stderr):  # as driver.run_fleet has it while Ray is up
+    print_to_stdstream(dict(line), ignore_prefix=False)
+    print_to_stdstream(dict(line), ignore_prefix=False)
+sys.stderr.flush()
+"""
+
+
+def test_ray_prints_no_colour_codes_into_a_pipe():
+    """What the driver passes on from the raylets, through Ray's own printing: plain lines into a
+    pipe (a log, `2>&1 | tee`), each as it came; Ray's colours on a terminal."""
+    import pty
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_COLOR_PREFIX", "RAY_DEDUP_LOGS")}
+    piped = subprocess.run([sys.executable, "-c", RAY_PRINTS], capture_output=True, text=True, timeout=120, env=env)
+    assert piped.returncode == 0, piped.stderr
+    said = [line for line in piped.stderr.splitlines() if "A worker died" in line]
+    assert said == ["(raylet, ip=10.0.0.1) A worker died or was killed while executing a task"] * 2, piped.stderr
+    assert "\x1b[" not in piped.stderr + piped.stdout
+    leader, follower = pty.openpty()
+    try:
+        on_tty = subprocess.run([sys.executable, "-c", RAY_PRINTS], stdout=subprocess.PIPE, stderr=follower,
+                                timeout=120, env=env)
+        os.close(follower)
+        follower = -1
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's other side is closed and drained
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert on_tty.returncode == 0
+    assert b"\x1b[33m(raylet, ip=10.0.0.1)" in shown, shown

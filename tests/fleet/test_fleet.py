@@ -801,4 +801,4 @@ def test_without_ray_installed_the_command_says_how_to_install_it(nas, sshd, tmp
                           env={**os.environ, "PYTHONPATH": str(fake.parent)})
     assert proc.returncode == 3
     assert proc.stderr.strip() == ("stage: error: stage fleet needs Ray on every node: "
-                                   "pip install 'stager[fleet]' (see docs/fleet.md)")
+                                   "pip install '.[fleet]' in the stager checkout (see docs/fleet.md)")
