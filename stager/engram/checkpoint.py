@@ -290,8 +290,8 @@ def open_checkpoint(manifest: Manifest, node_name: str, *, from_nas: bool) -> Ch
     try:
         if not local_hub.is_dir():
             raise _NotStaged(f"local hub {local_hub} does not exist")
-        return load_checkpoint(LocalSource(str(local_hub)), engram.model, model.revision, f"local hub {local_hub}",
-                               exclude=model.exclude)
+        return load_checkpoint(LocalSource(str(local_hub), keep_atime=True), engram.model, model.revision,
+                               f"local hub {local_hub}", exclude=model.exclude)
     except _NotStaged as exc:
         not_staged = CannotRun(f"{engram.model} is not staged on {node_name}: {exc} "
                                f"(run `{hints.command('mirror', '--node', node_name)}` first, or read the NAS: "

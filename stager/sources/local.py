@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from stager.base import identity
 from stager.base.errors import CannotRun
-from stager.base.small_files import read_regular_head
+from stager.base.small_files import open_keeping_atime, read_regular_head
 from stager.sources.base import Stat, absolute_to_rel, reaching, relative_inside, stat_from_os
 
 
@@ -26,13 +27,19 @@ class LocalReader:
     aligned_buffer): the disk, the NFS server or the FUSE daemon (sshfs) fills the buffer itself,
     which saves the page cache's copy and its reclaim, a third of `--full`'s CPU and most of the
     default mirror's. A last partial block, reads from unaligned offsets, and filesystems
-    without O_DIRECT (ramfs, tmpfs on older kernels, some FUSE) go through the page cache."""
+    without O_DIRECT (ramfs, tmpfs on older kernels, some FUSE) go through the page cache.
 
-    def __init__(self, path: str, *, uncached: bool, sequential: bool = False, direct: bool = False):
+    `keep_atime` (the default: a read of this tool's own, a node's file checked or packed) leaves
+    the file's access time as it was where the kernel allows it (small_files.open_keeping_atime);
+    a source's files are read with it off (LocalSource)."""
+
+    def __init__(self, path: str, *, uncached: bool, sequential: bool = False, direct: bool = False,
+                 keep_atime: bool = True):
         self.path = path
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         with reaching(path):
             # Non-blocking: a FIFO put at the name since the walk's lstat would block a plain open.
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            self.fd = open_keeping_atime(path, flags) if keep_atime else os.open(path, flags)
         st = os.fstat(self.fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(self.fd)
@@ -139,7 +146,9 @@ def aligned_buffer(size: int) -> mmap.mmap:
 
 def reopen_direct(fd: int, flags: int) -> int:
     """A second descriptor on the same open file with O_DIRECT, or -1 where the filesystem has
-    none. Reopened through /proc, so it is the very inode already checked, never a new lookup."""
+    none. Reopened through /proc, so it is the very inode already checked, never a new lookup;
+    with the first one's O_NOATIME, so that reading through it keeps the atime too."""
+    flags |= fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NOATIME
     try:
         return os.open(f"/proc/self/fd/{fd}", flags | os.O_DIRECT | os.O_CLOEXEC)
     except OSError:
@@ -147,10 +156,16 @@ def reopen_direct(fd: int, flags: int) -> int:
 
 
 class LocalSource:
-    """A hub on a local or NFS-mounted path."""
+    """A hub on a local or NFS-mounted path.
 
-    def __init__(self, hub: str, aliases: dict[str, str] | None = None):
+    Reading a source's file is a use of it (`keep_atime` off): a node staging or checking a model
+    is a node that needs it, which is what a NAS-side cleanup by last access must see (an NFS
+    server keeps its own atimes anyway). A node's own hub read as a source (pack-engram's
+    checkpoint) passes `keep_atime=True`: the tool reading it is not a process using the model."""
+
+    def __init__(self, hub: str, aliases: dict[str, str] | None = None, *, keep_atime: bool = False):
         self.url = hub
+        self.keep_atime = keep_atime
         self.root = Path(hub)
         self.aliases = dict(aliases or {})
         try:
@@ -212,4 +227,5 @@ class LocalSource:
     def open(self, rel: str, *, uncached: bool, sequential: bool = False) -> LocalReader:
         # Sequential reads are whole-file copies and whole-span passes (an Engram table): straight
         # into the caller's page-aligned buffers.
-        return LocalReader(self.path(rel), uncached=uncached, sequential=sequential, direct=sequential)
+        return LocalReader(self.path(rel), uncached=uncached, sequential=sequential, direct=sequential,
+                           keep_atime=self.keep_atime)

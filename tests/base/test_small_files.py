@@ -28,8 +28,8 @@ METHODS = {"open", "read_text", "read_bytes", "write_text", "write_bytes"}
 
 # (module, enclosing function, call) -> why the kind of what it opens is already proven.
 REVIEWED = {
-    ("base/small_files.py", "open_regular", "os.open"):
-        "the reader itself: O_NONBLOCK, then S_ISREG through the descriptor",
+    ("base/small_files.py", "open_keeping_atime", "os.open"):
+        "the open behind open_regular and LocalReader, which pass O_NONBLOCK and check S_ISREG through the descriptor",
     ("sources/local.py", "LocalReader.__init__", "os.open"):
         "O_NONBLOCK|O_NOFOLLOW, then S_ISREG through the descriptor before any read",
     ("sources/local.py", "reopen_direct", "os.open"):
