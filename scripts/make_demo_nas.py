@@ -14,6 +14,7 @@ and DIR/cluster.toml with two nodes:
 Prints the manifest's path on stdout.
 """
 
+import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -24,7 +25,12 @@ from hubgen import build_demo  # noqa: E402
 
 
 def main() -> None:
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "demo")
+    # argparse, so that `--help` prints this help: read as DIR, it once built a demo named "--help".
+    parser = argparse.ArgumentParser(prog="make_demo_nas.py", description=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dir", nargs="?", default="demo", metavar="DIR",
+                        help="where to build it (default ./demo); an existing DIR is replaced")
+    root = Path(parser.parse_args().dir)
     if root.exists():
         shutil.rmtree(root)
     print(build_demo(root, engram_node="dgx2"))

@@ -10,6 +10,7 @@ the per-file cost (scan, in-use check, journal, unlink), not the disk's bandwidt
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -72,4 +73,10 @@ def main(root: Path, files: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]), int(sys.argv[2]))))
+    # argparse, so that `--help` is help: read as ROOT, it was a directory to remove.
+    parser = argparse.ArgumentParser(prog="bench_prune.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", type=Path, metavar="ROOT", help="a scratch directory, removed first")
+    parser.add_argument("files", type=int, metavar="N", help="files and links to remove (docs/benchmarks.md: 100000)")
+    args = parser.parse_args()
+    print(json.dumps(main(args.root, args.files)))

@@ -32,5 +32,14 @@ def test_the_summary_is_medians_over_the_runs_and_ratios_to_one_node_and_to_one_
     killed = summary["broadcast (one node killed)"]["8"]
     assert killed["runs"] == 3 and set(killed) >= {"seconds", "t_over_stream"} and "survivor_seconds" not in killed
     table = markdown(results).splitlines()
-    assert table[0] == "| N | broadcast | chain | stream | nas | sftp | broadcast (one node killed) |"
+    # Every column says what it holds: T and T / (S/R) per transport; the costs by name.
+    assert table[0] == ("| nodes N | " + " | ".join(f"{key}: T (T / (S/R))" for key in (
+        "broadcast", "chain", "stream", "nas", "sftp", "broadcast (one node killed)")) + " |")
     assert table[2].startswith("| 1 | 25.1 s (1.17) | 22.6 s (1.05) | 22.8 s (1.06) |")
+    costs = table[table.index("") + 1:]
+    assert costs[0] == ("| transport (lowest-highest over N) | NAS bytes sent / S | CPU per GB received, per node "
+                        "| a relay's own CPU per GB received |")
+    assert costs[2] == "| broadcast | 1.02-1.03 | 2.2 s-4.1 s | 0.89 s-1.01 s |"
+    # A results file saved before summaries were: summarized when printed.
+    del results["summary"]
+    assert markdown(results).splitlines() == table
