@@ -870,7 +870,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleet_lab.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="See docs/fleet-lab.md, 'The lab'. Runs as root.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # `reap` is the lab's own reaper process (Lab._start_reaper), never typed: no help line, and not
+    # among the commands listed (argparse printed "==SUPPRESS==" for it there).
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{up,run,down,list}")
     up = sub.add_parser("up", help="build a lab, print its description (JSON), hold it until SIGINT/SIGTERM")
     add_lab_options(up)
     runner = sub.add_parser("run", help="build a lab, run a command with the driver's environment, remove the lab",
@@ -881,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
     down = sub.add_parser("down", help="remove labs whose owner process is gone")
     down.add_argument("--all", action="store_true", help="remove every lab on this machine, running or not")
     sub.add_parser("list", help="print the labs on this machine (JSON)")
-    reap = sub.add_parser("reap", help=argparse.SUPPRESS)
+    reap = sub.add_parser("reap")
     reap.add_argument("run_id")
     args = parser.parse_args(argv)
 
