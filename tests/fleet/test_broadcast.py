@@ -36,16 +36,25 @@ flipped = False
 def pipe(src, dst, corrupt):
     global flipped
     seen = 0
-    while True:
-        data = src.recv(1 << 16)
-        if not data:
-            break
-        if corrupt and not flipped and seen <= flip_at < seen + len(data):
-            data = bytearray(data); data[flip_at - seen] ^= 0xFF; data = bytes(data); flipped = True
-        seen += len(data)
-        dst.sendall(data)
-        if corrupt and rate:
-            time.sleep(len(data) / rate)
+    try:
+        while True:
+            data = src.recv(1 << 16)
+            if not data:
+                break
+            if corrupt and not flipped and seen <= flip_at < seen + len(data):
+                data = bytearray(data); data[flip_at - seen] ^= 0xFF; data = bytes(data); flipped = True
+            seen += len(data)
+            dst.sendall(data)
+            if corrupt and rate:
+                time.sleep(len(data) / rate)
+    except OSError:  # a reset: passed on as a close, as a cut link would be
+        pass
+    # shutdown, not only close: the other direction's thread is blocked reading dst, and a close
+    # alone sends nothing while it is.
+    try:
+        dst.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
     dst.close()
 while True:
     client, _ = server.accept()
@@ -305,7 +314,7 @@ def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_pat
             ("c", (hops["a"], hops["b"], hops["c"])))]
         for thread in threads:
             thread.start()
-        while running["b"][0].progress(0) < 1 and time.monotonic() - started < 30:
+        while running["b"][0].progress("broadcast").chunks < 1 and time.monotonic() - started < 30:
             time.sleep(0.05)
         rerouted = time.monotonic()
         running["c"][0].reroute(0, (hops["a"], hops["c"], hops["b"]))

@@ -186,14 +186,17 @@ class Gate:
         started = thread_cpu()
         try:
             while not self._closing:
-                for ready, _ in self._selector.select(self._wait()):
-                    if ready.fileobj is self.listener:
-                        self._accept_burst()
-                    elif ready.fileobj is self._wake_in:
+                # Answers first, then new connections: a member's answer that arrived with a
+                # burst of strangers is checked before the burst can make it give way.
+                ready = [key for key, _ in self._selector.select(self._wait())]
+                for key in ready:
+                    if isinstance(key.data, _Handshake):
+                        self._guarded(key.data, self._read_answer)
+                    elif key.fileobj is self._wake_in:
                         with contextlib.suppress(OSError):
                             self._wake_in.recv(64)
-                    else:
-                        self._guarded(ready.data, self._read_answer)
+                if any(key.fileobj is self.listener for key in ready):
+                    self._accept_burst()
                 now = time.monotonic()
                 self._expire(now)
                 if self._paused_until and now >= self._paused_until:
@@ -257,10 +260,16 @@ class Gate:
     def _make_room(self, host: str) -> None:
         mine = self._by_address.get(host, {})
         if len(mine) >= HANDSHAKES_PER_ADDRESS:
-            self._end(next(iter(mine.values())), CROWDED_ADDRESS)
+            self._give_way(next(iter(mine.values())), CROWDED_ADDRESS)
         elif len(self._pending) >= HANDSHAKES:
-            fullest = max(self._by_address.values(), key=len)
-            self._end(next(iter(fullest.values())), CROWDED)
+            self._give_way(next(iter(max(self._by_address.values(), key=len).values())), CROWDED)
+
+    def _give_way(self, oldest: _Handshake, why: str) -> None:
+        """End the oldest handshake, unless its whole answer has arrived unread: a member's answer
+        that came in with a burst of strangers is checked, and the member admitted."""
+        self._guarded(oldest, self._read_answer)
+        if oldest.sock in self._pending:
+            self._end(oldest, why)
 
     def _read_answer(self, handshake: _Handshake) -> None:
         """Take what has arrived of the answer; once it is whole, check it: a stranger is refused,
