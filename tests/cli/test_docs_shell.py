@@ -30,6 +30,8 @@ NOT_RUN = {
                   "demo && .venv/bin/stage mirror --node dgx1 --manifest demo/cluster.toml"):
         "the main job: test_cli_contract.py::test_readme_path_is_green_end_to_end runs it, in the venv it made",
     ("README.md", "bash scripts/test.sh"): "the whole suite, this test included",
+    ("README.md", "stage --install-completion          # bash: ~/.bash_completions/stage.sh, sourced from ~/.bashrc"):
+        "writes the operator's ~/.bashrc; tests/cli/test_completion.py installs into a temporary HOME",
     ("benchmarks.md", "python3 -m venv .venv && .venv/bin/pip install -q .     # the README's set-up"):
         "minutes of benchmark rounds; tests/tools/test_bench.py runs the bench",
     ("fleet.md", "pip install '.[fleet]'             # in the checkout: ray[default]>=2.52, paramiko, fsspec"):
@@ -41,9 +43,9 @@ NOT_RUN = {
     ("fleet.md", "export RAY_ADDRESS=dgx1:6379"): "needs a Ray head at dgx1:6379; tests/fleet/test_fleet.py runs `stage fleet`",
     ("fleet.md", "stage mirror --node dgx2 --source sftp://stage@dgx1/nvme/hf/hub   # once, by hand"):
         "needs sshd on a peer named dgx1; tests/sources/test_remote.py stages from a real sshd peer",
-    ("fleet.md", 'STAGE_TEST_FANOUT_MIB=256 pytest -s tests/fleet/test_fleet.py -k "stages_every_node or fan_out"'):
+    ("fleet-lab.md", 'STAGE_TEST_FANOUT_MIB=256 pytest -s tests/fleet/test_fleet.py -k "stages_every_node or fan_out"'):
         "a test run of its own",
-    ("fleet.md", "python scripts/lab/fleet_lab.py up --nodes 4 --rate 100 --size 48MiB | jq .    # hold a lab until Ctrl-C"):
+    ("fleet-lab.md", "python scripts/lab/fleet_lab.py up --nodes 4 --rate 100 --size 48MiB | jq .    # hold a lab until Ctrl-C"):
         "network namespaces held until Ctrl-C; the lab's own tests run scripts/lab/fleet_lab.py",
     ("fleet.md", "# on every node, for the cluster network 10.0.0.0/24 (nftables)"):
         "changes the host's firewall (nftables); the lab's tests open the same ports between namespaces",
