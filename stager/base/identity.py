@@ -44,27 +44,76 @@ RESOLVE_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
-class _Mount:
+class Mount:
+    """One mount of a mount namespace, as its mountinfo line gives it."""
+
+    id: int  # the kernel's mount id: what /proc/<pid>/fdinfo's mnt_id names
     device: str  # "major:minor": one filesystem, however often it is mounted
     root: str  # the directory of that filesystem mounted here (not "/" for a bind mount)
-    point: str
+    point: str  # where it is mounted, relative to the reading process's root
+    fstype: str
+    source: str
 
 
-def _mounts() -> list[_Mount]:
-    """Mounts of this process, longest mount point first."""
-    mounts: list[_Mount] = []
+def _unescape(text: str) -> str:
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), text)
+
+
+def mount_table(pid: int | str = "self") -> list[Mount]:
+    """The mounts of `pid`'s mount namespace in the kernel's order, where a later mount on a point
+    hides the earlier ones ([] when the table cannot be read)."""
+    mounts: list[Mount] = []
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as handle:
-            for line in handle:
-                fields = line.split()
-                if len(fields) < 5:
-                    continue
-                unescape = lambda text: _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), text)  # noqa: E731
-                mounts.append(_Mount(fields[2], unescape(fields[3]), unescape(fields[4])))
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as handle:
+            lines = handle.readlines()
     except OSError:
         return []
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if len(fields) < 5 or not fields[0].isdigit():
+            continue
+        mounts.append(Mount(int(fields[0]), fields[2], _unescape(fields[3]), _unescape(fields[4]),
+                            _unescape(rest[0]) if rest else "?", _unescape(rest[1]) if len(rest) > 1 else "?"))
+    return mounts
+
+
+def mount_id(fd: int) -> int | None:
+    """The mount that the open descriptor `fd` lies on (mountinfo's first column), read from
+    /proc/self/fdinfo: the very descriptor the caller then acts through, so nothing is looked up
+    by path between the check and the use. None when /proc cannot say."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def shown_at(mount: Mount, table: list[Mount]) -> str:
+    """Where the directory a mount shows is itself seen in `table`'s namespace: a bind of a NAS
+    directory reads as that directory's path under the NAS's own mount point; a mount whose
+    filesystem is mounted nowhere else reads `source:root` (`nas:/export/hf` for NFS)."""
+    best: Mount | None = None
+    for other in table:
+        if other.id == mount.id or other.device != mount.device or not _under(mount.root, other.root):
+            continue
+        if _under(other.point, mount.point):
+            continue  # a mount inside this one cannot be where it comes from
+        if best is None or len(other.root) > len(best.root):
+            best = other
+    if best is None:
+        return f"{mount.source}:{mount.root}" if mount.root != "/" else mount.source
+    rest = mount.root[len(best.root):].lstrip("/") if best.root != "/" else mount.root.lstrip("/")
+    return os.path.normpath(os.path.join(best.point, rest)) if rest else best.point
+
+
+def _mounts() -> list[Mount]:
+    """Mounts of this process, longest mount point first."""
     # A later mount on the same point hides the earlier one: keep the last of each point.
-    by_point = {m.point: m for m in mounts}
+    by_point = {m.point: m for m in mount_table()}
     return sorted(by_point.values(), key=lambda m: len(m.point), reverse=True)
 
 
@@ -72,7 +121,7 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def _filesystem_location(real: str, mounts: list[_Mount]) -> tuple[str, str] | None:
+def _filesystem_location(real: str, mounts: list[Mount]) -> tuple[str, str] | None:
     """(device, path inside that filesystem) of a resolved path."""
     for mount in mounts:
         if _under(real, mount.point):

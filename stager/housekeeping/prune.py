@@ -4,8 +4,13 @@ The plan is the audit's own (reclaim.make_plan), made while this command holds t
 writer lock (and engram_dir's, pack-engram's), so no mirror or pack-engram writes meanwhile. The
 executor is the only writer; each step acts only on the file or directory the scan saw, the same
 (st_dev, st_ino), size and mtime, re-checked at the moment of deletion, and every batch of items is
-checked again for use (open, mapped, bind-mounted) just before it starts. A changed item is skipped
-and reported.
+checked again for use (open, mapped, a working or root directory, mounted in any namespace, a
+mount inside it) just before it starts. A changed item is skipped and reported.
+
+Never across a mount: every removal goes through directory descriptors opened from the node's
+root down, each on the root's own filesystem and mount (fence.Tree); a directory is renamed into
+the trash only when no mount lies at or below it, and the trash is emptied by a walk that never
+enters another mount. A mount found on the way leaves what lies past it in place, and says so.
 
 Crash safety: a kill -9 at any point leaves a hub that huggingface_hub scans without warnings.
 - A directory (a snapshot, a whole repo, .no_exist/<commit>) leaves the hub's view in one rename,
@@ -29,7 +34,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import shutil
 import socket
 import stat
 import time
@@ -38,6 +42,7 @@ from pathlib import Path
 
 from stager.base import hints, identity
 from stager.housekeeping import reclaim
+from stager.housekeeping.fence import Beyond, Crossing, Fence, Tree, under
 from stager.mirror import store_modes
 from stager.base.atomic import atomic_write_bytes, ensure_real_dir, fsync_dir
 from stager.base.errors import BadInput, CannotRun
@@ -63,6 +68,8 @@ class PruneReport:
     live_temps: list[reclaim.Kept] = field(default_factory=list)
     left: list[reclaim.Item] = field(default_factory=list)  # not needed: the target was met first
     freed: dict[str, int] = field(default_factory=dict)  # item path -> bytes its steps freed (a real run)
+    gone: dict[str, list[str]] = field(default_factory=dict)  # item path -> the paths its steps removed (a real run)
+    mounts: list[Crossing] = field(default_factory=list)  # mounts inside the node's paths: never entered
     problems: list[Problem] = field(default_factory=list)  # changed since the scan, could not be removed
     notes: list[str] = field(default_factory=list)
     until_free: str | None = None
@@ -75,6 +82,10 @@ class PruneReport:
 
     def bytes_of(self, item: reclaim.Item) -> int:
         return self.freed.get(item.path, item.bytes)
+
+    def paths_of(self, item: reclaim.Item) -> list[str]:
+        """What removing the item takes away (a dry run: what it would), shared-store payloads included."""
+        return self.gone.get(item.path, list(item.paths))
 
     @property
     def freed_bytes(self) -> int:
@@ -97,11 +108,12 @@ class PruneReport:
     def to_json(self) -> dict:
         return {
             "node": self.node, "dry_run": self.dry_run,
-            "removed": [{**i.to_json(), "bytes": self.bytes_of(i), "files": i.files} for i in self.removed],
+            "removed": [{**i.to_json(), "bytes": self.bytes_of(i), "files": i.files, "paths": self.paths_of(i)}
+                        for i in self.removed],
             "removed_files": sum(i.files for i in self.removed), "freed_bytes": self.freed_bytes,
             "in_use": [u.to_json() for u in self.in_use], "kept": [k.to_json() for k in self.kept],
             "live_temps": [k.to_json() for k in self.live_temps],
-            "left": [i.to_json() for i in self.left],
+            "left": [i.to_json() for i in self.left], "mounts": [m.to_json() for m in self.mounts],
             "problems": [p.to_json() for p in self.problems], "notes": self.notes,
             "until_free": self.until_free, "targets": self.targets, "target_met": self.target_met,
             "archive_command": self.archive_command(), "recovered_bytes": self.recovered_bytes,
@@ -120,17 +132,24 @@ class _Target:
     want_free: int
     free_before: int = 0
     free_after: int = 0
+    estimated: bool = False  # free_after is free_before plus the sizes of the items (a dry run)
 
     def free(self) -> int:
         vfs = os.statvfs(self.probe)
         return vfs.f_bavail * vfs.f_frsize
 
-    def met(self, extra: int = 0) -> bool:
-        return self.free() + extra >= self.want_free
+    def met(self) -> bool:
+        """Measured now: the real run stops on this."""
+        return self.free() >= self.want_free
+
+    @property
+    def reached(self) -> bool:
+        """The one answer the report gives: the text, `met`, `target_met` and the exit code."""
+        return self.free_after >= self.want_free
 
     def to_json(self) -> dict:
         return {"mount": self.mount, "want_free_bytes": self.want_free, "free_before_bytes": self.free_before,
-                "free_after_bytes": self.free_after, "met": self.free_after >= self.want_free}
+                "free_after_bytes": self.free_after, "estimated": self.estimated, "met": self.reached}
 
 
 def parse_until_free(value: str | None) -> str | int | None:
@@ -189,7 +208,7 @@ def run_prune(manifest_path: str | None, node: str, *, dry_run: bool, until_free
             locks.enter_context(writer_lock(hub / HUB_LOCK, f"local hub {hub}"))
             if engram_dir is not None and engram_dir.is_dir():
                 locks.enter_context(writer_lock(engram_dir / ENGRAM_LOCK, f"engram_dir {engram_dir}"))
-            report.recovered_bytes = _finish_killed_run(hub, Path(report.journal))
+            report.recovered_bytes = _finish_killed_run(hub, Path(report.journal), report)
         seen = audit.AuditReport(node)
         audit.audit_node(manifest, node, seen, only=only, holder=None if dry_run else os.getpid())
         report.notes.extend(f"cannot tell: {why}" for why in seen.unknown)
@@ -197,6 +216,7 @@ def run_prune(manifest_path: str | None, node: str, *, dry_run: bool, until_free
         report.notes.extend(plan.notes)
         report.kept, report.live_temps = list(plan.kept), list(plan.live_temps)
         report.in_use.extend(plan.in_use)
+        report.mounts = list(plan.mounts)
         targets = _targets(seen, goal) if goal is not None else []
         for target in targets:
             target.free_before = target.free_after = target.free()
@@ -204,17 +224,25 @@ def run_prune(manifest_path: str | None, node: str, *, dry_run: bool, until_free
             _simulate(plan, targets, report)
         else:
             _Executor(hub, engram_dir, Path(report.journal), report, targets).run(plan)
-        for target in targets:
-            target.free_after = target.free()
-        report.targets = [t.to_json() for t in targets]
-        if targets:
-            report.target_met = all(t["met"] for t in report.targets) if not dry_run else \
-                all(t.free_before + sum(i.bytes for i in report.removed if i.device == t.device) >= t.want_free
-                    for t in targets)
+        _measure(targets, report)
         committed, _ = journal_tail(Path(report.journal))
         report.pruned_total = int((committed or {}).get("pruned_bytes_total") or 0)
     report.seconds = time.monotonic() - started
     return report
+
+
+def _measure(targets: list[_Target], report: PruneReport) -> None:
+    """Free space after the run: measured, or in a dry run what the items it lists would give
+    back. `target_met` is decided from the same figures the text and `targets` show."""
+    for target in targets:
+        if report.dry_run:
+            target.free_after = target.free_before + sum(i.bytes for i in report.removed if i.device == target.device)
+            target.estimated = True
+        else:
+            target.free_after = target.free()
+    report.targets = [t.to_json() for t in targets]
+    if targets:
+        report.target_met = all(t.reached for t in targets)
 
 
 def _simulate(plan: reclaim.Plan, targets: list[_Target], report: PruneReport) -> None:
@@ -233,13 +261,20 @@ def _simulate(plan: reclaim.Plan, targets: list[_Target], report: PruneReport) -
         freed[item.device] = freed.get(item.device, 0) + item.bytes
 
 
-def _finish_killed_run(hub: Path, journal: Path) -> int:
+def _finish_killed_run(hub: Path, journal: Path, report: PruneReport) -> int:
     """Empty the trash a killed run left, and commit the batch it journaled without a commit:
     what of it is gone was removed, and is counted once."""
-    trash = hub / reclaim.TRASH
-    if trash.is_dir() and not trash.is_symlink():
-        for entry in os.scandir(trash):
-            _delete_tree(entry.path)
+    root = identity.resolved(hub)
+    trash = os.path.join(root, reclaim.TRASH)
+    if os.path.isdir(trash) and not os.path.islink(trash):
+        tree = Tree(Fence.of(root))
+        try:
+            for name in sorted(os.listdir(trash)):
+                _empty(tree, os.path.join(trash, name), report)
+        except Beyond as exc:
+            report.problems.append(Problem(trash, "mount", f"{exc}; the trash is left as it is"))
+        finally:
+            tree.close()
     committed, pending = journal_tail(journal)
     removals = [r for r in pending if r.get("event") == "remove"]
     if not removals:
@@ -250,6 +285,17 @@ def _finish_killed_run(hub: Path, journal: Path) -> int:
     append_journal(journal, [{"event": "removed", "time": _now(), "host": socket.gethostname(), "recovered": True,
                               "removed": len(gone), "bytes": recovered, "pruned_bytes_total": total}])
     return recovered
+
+
+def _empty(tree: Tree, place: str, report: PruneReport) -> None:
+    """Delete what the trash holds at `place`, never entering a mount; a mount found there is left
+    with the directories above it, and reported."""
+    left = tree.remove_tree(place)
+    if left:
+        shown = tree.fence.crossing_at(left[0])
+        report.problems.append(Problem(place, "mount", f"a mount at {shown.point} (showing {shown.shows}) is inside "
+                                       f"it: never entered; {len(left)} mount point(s) and the directories above "
+                                       "them are left in the trash for the operator"))
 
 
 def _gone(record: dict) -> bool:
@@ -266,16 +312,6 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def _delete_tree(path: str) -> None:
-    """Delete a directory the trash holds (never following a link: shutil.rmtree opens each
-    directory with O_NOFOLLOW), or a file."""
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
 class _Changed(Exception):
     """The thing a step acts on is not what the scan saw: skip it, report it."""
 
@@ -284,71 +320,15 @@ class _Waits(Exception):
     """A blob or payload whose reacher stayed (in use, or changed): it waits for a later run."""
 
 
-class _Executor:
-    def __init__(self, hub: Path, engram_dir: Path | None, journal: Path, report: PruneReport,
-                 targets: list[_Target]):
-        self.hub = hub
-        self.root = identity.resolved(hub)
-        self.engram_dir = identity.resolved(engram_dir) if engram_dir else None
-        self.journal = journal
-        self.report = report
-        self.targets = targets
-        committed, _ = journal_tail(journal)
+class _Journal:
+    """The node's prune journal: intents before a batch, a commit with the running total after."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        committed, _ = journal_tail(path)
         self.total = int((committed or {}).get("pruned_bytes_total") or 0)
-        self.trash: Path | None = None
-        self.dirty: set[str] = set()  # directories with unlinks not yet fsynced
-        self.resolved: dict[str, str] = {}  # directory -> its resolved path, once per run
 
-    # -- order and batches
-
-    def run(self, plan: reclaim.Plan) -> None:
-        items = list(plan.items)
-        roots = [str(self.hub)] + ([self.engram_dir] if self.engram_dir else [])
-        start = 0
-        while start < len(items):
-            end, steps = start, 0
-            while end < len(items) and (end == start or steps + len(items[end].steps) <= BATCH_STEPS):
-                steps += len(items[end].steps)
-                end += 1
-            # In use now? Checked again for every batch, just before it starts.
-            free, busy = reclaim.split_in_use(items[start:end], roots)
-            self.report.in_use.extend(busy)
-            if self._stop():
-                self.report.left.extend(free + items[end:])
-                return
-            self._journal_intent(free)
-            done_bytes, done_items = 0, 0
-            try:
-                for k, item in enumerate(free):
-                    if self._stop():
-                        self.report.left.extend(free[k:] + items[end:])
-                        return
-                    if self.targets and self._target_of(item) is None:
-                        self.report.left.append(item)
-                        continue
-                    freed = self._item(item)
-                    if freed is not None:
-                        self.report.removed.append(item)
-                        self.report.freed[item.path] = freed
-                        done_bytes += freed
-                        done_items += 1
-            finally:
-                self._flush()
-                self.total += done_bytes
-                append_journal(self.journal, [{"event": "removed", "time": _now(), "host": socket.gethostname(),
-                                               "removed": done_items, "bytes": done_bytes,
-                                               "pruned_bytes_total": self.total}])
-            start = end
-
-    def _stop(self) -> bool:
-        """With --until-free: every filesystem has its free space (measured, not estimated)."""
-        return bool(self.targets) and all(t.met() for t in self.targets)
-
-    def _target_of(self, item: reclaim.Item) -> _Target | None:
-        """The unmet target on the item's filesystem (items on a filesystem already free enough wait)."""
-        return next((t for t in self.targets if t.device == item.device and not t.met()), None)
-
-    def _journal_intent(self, items: list[reclaim.Item]) -> None:
+    def intend(self, items: list[reclaim.Item]) -> None:
         """Before a batch: one record per step that removes something, so a kill leaves a trail."""
         records = []
         for item in items:
@@ -360,119 +340,226 @@ class _Executor:
                                 "files": step.files, "sha256": step.sha256, "dev": step.target.dev,
                                 "ino": step.target.ino})
         if records:
-            ensure_real_dir(self.journal.parent)
-            append_journal(self.journal, records)
+            ensure_real_dir(self.path.parent)
+            append_journal(self.path, records)
 
-    # -- one item
+    def commit(self, items: int, freed: int) -> None:
+        self.total += freed
+        append_journal(self.path, [{"event": "removed", "time": _now(), "host": socket.gethostname(),
+                                    "removed": items, "bytes": freed, "pruned_bytes_total": self.total}])
 
-    def _item(self, item: reclaim.Item) -> int | None:
+
+class _Executor:
+    """The order of a real run: batches of items, each checked for use just before it starts and
+    journaled, stopping once the --until-free targets are met."""
+
+    def __init__(self, hub: Path, engram_dir: Path | None, journal: Path, report: PruneReport,
+                 targets: list[_Target]):
+        self.roots = [str(hub)] + ([str(engram_dir)] if engram_dir else [])
+        self.journal = _Journal(journal)
+        self.report = report
+        self.targets = targets
+        self.remover = _Remover(identity.resolved(hub), identity.resolved(engram_dir) if engram_dir else None, report)
+
+    def run(self, plan: reclaim.Plan) -> None:
+        items = list(plan.items)
+        found = {m.point: m for m in plan.mounts}
+        start = 0
+        while start < len(items):
+            end = _batch_end(items, start)
+            # In use now? Checked again for every batch, just before it starts, against the mount
+            # table as it is now too.
+            free, busy = reclaim.split_in_use(items[start:end], self.roots, reclaim.mounts_inside(self.roots, found))
+            self.report.in_use.extend(busy)
+            if self._stop():
+                self.report.left.extend(free + items[end:])
+                return
+            self.journal.intend(free)
+            done_bytes, done_items = 0, 0
+            try:
+                for k, item in enumerate(free):
+                    if self._stop():
+                        self.report.left.extend(free[k:] + items[end:])
+                        return
+                    if self.targets and self._target_of(item) is None:
+                        self.report.left.append(item)
+                        continue
+                    freed = self.remover.item(item)
+                    if freed is not None:
+                        self.report.removed.append(item)
+                        self.report.freed[item.path] = freed
+                        done_bytes += freed
+                        done_items += 1
+            finally:
+                self.remover.flush()
+                self.journal.commit(done_items, done_bytes)
+            start = end
+
+    def _stop(self) -> bool:
+        """With --until-free: every filesystem has its free space (measured, not estimated)."""
+        return bool(self.targets) and all(t.met() for t in self.targets)
+
+    def _target_of(self, item: reclaim.Item) -> _Target | None:
+        """The unmet target on the item's filesystem (items on a filesystem already free enough wait)."""
+        return next((t for t in self.targets if t.device == item.device and not t.met()), None)
+
+
+def _batch_end(items: list[reclaim.Item], start: int) -> int:
+    """The end of the batch starting at `start`: at least one item, at most BATCH_STEPS steps."""
+    end, steps = start, 0
+    while end < len(items) and (end == start or steps + len(items[end].steps) <= BATCH_STEPS):
+        steps += len(items[end].steps)
+        end += 1
+    return end
+
+
+class _Remover:
+    """One item's steps on disk, each through the descriptors of a fence.Tree of the root the path
+    lies in: nothing is removed through a link swapped in on the way or across a mount."""
+
+    def __init__(self, hub: str, engram_dir: str | None, report: PruneReport):
+        self.hub = hub
+        self.fences = {root: Fence.of(root) for root in [hub] + ([engram_dir] if engram_dir else [])
+                       if os.path.isdir(root)}
+        self.report = report
+        self.trees: dict[str, Tree] = {}
+        self.dirty: set[str] = set()  # directories with unlinks not yet fsynced
+
+    def item(self, item: reclaim.Item) -> int | None:
         """Carry out the item's steps in order; None when its first step found it changed (nothing
         was removed). A later step that finds its file changed is skipped alone."""
-        freed = 0
-        for index, step in enumerate(item.steps):
-            try:
-                freed += self._step(step)
-            except _Waits as exc:
-                self.report.notes.append(f"{step.target.path}: {exc}; it goes with a later run")
-                continue
-            except _Changed as exc:
-                self.report.problems.append(Problem(step.target.path, "changed", f"{exc}; left in place ({item.kind} "
-                                                    f"{item.path})"))
-                if index == 0 or step.action == "drop-sums":
-                    return None
-            except OSError as exc:
-                self.report.problems.append(Problem(step.target.path, "local_error",
-                                                    f"cannot remove: {exc.strerror or exc}; left in place"))
-                if index == 0 or step.action == "drop-sums":
-                    return None
+        freed, gone = 0, []
+        try:
+            for index, step in enumerate(item.steps):
+                try:
+                    freed += self._step(step)
+                    gone.extend(p for p in step.paths if not os.path.lexists(p))
+                except _Waits as exc:
+                    self.report.notes.append(f"{step.target.path}: {exc}; it goes with a later run")
+                    continue
+                except (_Changed, Beyond, OSError) as exc:
+                    self.report.problems.append(_problem(step, item, exc))
+                    if index == 0 or step.action == "drop-sums":
+                        return None
+        finally:
+            for tree in self.trees.values():
+                tree.close()
+        self.report.gone[item.path] = gone
         return freed
+
+    def _tree(self, path: str) -> Tree:
+        root = max((r for r in self.fences if under(path, r)), key=len, default=None)
+        if root is None:
+            raise _Changed(f"it no longer lies in the node's paths {sorted(self.fences)}")
+        if root not in self.trees:
+            self.trees[root] = Tree(self.fences[root])
+        return self.trees[root]
 
     def _step(self, step: reclaim.Step) -> int:
         target = step.target
         staying = next((p for p in step.after if os.path.lexists(p)), None)
         if staying is not None:
             raise _Waits(f"still reached through {staying}, which stays")
-        self._still(target)
+        tree = self._tree(target.path)
+        self._still(tree, target)
         if step.action != "unlink":
-            self._flush()  # what this step relies on being gone is gone on disk too
+            self.flush()  # what this step relies on being gone is gone on disk too
         if step.action == "drop-sums":
             drop_from_sums(Path(step.sums), {os.path.normpath(target.path)})
             return 0
         if step.action == "unlink":
-            os.unlink(target.path)
+            tree.unlink(target.path)
             self.dirty.add(os.path.dirname(target.path))
             return step.bytes
         if step.action == "trash":
-            self._trash(target)
+            self._trash(tree, target)
             return step.bytes
         if step.action in ("sweep", "refs"):
-            freed = sweep_payload(Path(target.path), self.hub, target, may_delete=step.action == "sweep")
+            freed = sweep_payload(Path(target.path), Path(self.hub), tree, target, may_delete=step.action == "sweep")
             if step.action == "sweep" and not freed:
                 raise _Waits("a repo blob links to it again")
             return freed
         raise ValueError(step.action)
 
-    def _still(self, seen: reclaim.Seen) -> None:
-        """The path is still what the scan saw, inside the node's paths and not through a link."""
+    @staticmethod
+    def _still(tree: Tree, seen: reclaim.Seen) -> None:
+        """The path is still what the scan saw, reached from the root through no link and no mount."""
         try:
-            st = os.lstat(seen.path)
+            st = tree.lstat(seen.path)
         except (FileNotFoundError, NotADirectoryError):
             raise _Changed("gone since the scan") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _Changed("a directory on its way is now a link") from None
+            raise
         if (st.st_dev, st.st_ino) != (seen.dev, seen.ino):
             raise _Changed("replaced since the scan")
         if stat.S_ISREG(st.st_mode) and st.st_size != seen.size:
             raise _Changed(f"size changed since the scan ({seen.size} -> {st.st_size})")
         if st.st_mtime_ns != seen.mtime_ns:
             raise _Changed("modified since the scan")
-        directory = os.path.dirname(seen.path)
-        if directory not in self.resolved:
-            self.resolved[directory] = identity.resolved(directory)
-        parent = self.resolved[directory]
-        roots = [self.root] + ([self.engram_dir] if self.engram_dir else [])
-        if not any(parent == r or parent.startswith(r.rstrip("/") + "/") for r in roots):
-            raise _Changed(f"its directory now resolves to {parent}, outside the node's paths")
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """One fsync per directory of a run of unlinks, before anything that relies on them."""
         for directory in sorted(self.dirty):
             with contextlib.suppress(FileNotFoundError):
                 fsync_dir(Path(directory))
         self.dirty.clear()
 
-    def _trash(self, seen: reclaim.Seen) -> None:
-        """Rename the directory out of the hub's view in one step, then delete it there."""
-        if self.trash is None:
-            self.trash = ensure_real_dir(self.hub / reclaim.TRASH)
-        place = self.trash / f"{seen.ino}-{os.path.basename(seen.path)}"
+    def _trash(self, tree: Tree, seen: reclaim.Seen) -> None:
+        """Rename the directory out of the hub's view in one step, then delete it there. Never
+        with a mount at or below it: a rename carries a mount along, and the deletion would then
+        empty whatever it shows."""
+        inside = [c for point, c in tree.fence.mounts_below().items() if under(point, seen.path)]
+        if inside:
+            raise Beyond(inside[0])
+        tree.dir(seen.path)  # the directory itself is on the root's mount (Beyond otherwise)
+        trash = os.path.join(self.hub, reclaim.TRASH)
+        trash_tree = self._tree(trash)
+        trash_tree.ensure_dir(os.path.dirname(trash))
+        trash_tree.ensure_dir(trash)
+        place = f"{seen.ino}-{os.path.basename(seen.path)}"
         try:
-            os.rename(seen.path, place)
+            tree.rename(seen.path, trash, place)
         except OSError as exc:
             if exc.errno in (errno.EXDEV, errno.EBUSY):
                 raise _Changed("a mount point (or on another filesystem): left for the operator") from None
             raise
-        fsync_dir(Path(seen.path).parent)
-        _delete_tree(str(place))
+        tree.fsync(os.path.dirname(seen.path))
+        _empty(trash_tree, os.path.join(trash, place), self.report)
+
+
+def _problem(step: reclaim.Step, item: reclaim.Item, exc: Exception) -> Problem:
+    if isinstance(exc, _Changed):
+        return Problem(step.target.path, "changed", f"{exc}; left in place ({item.kind} {item.path})")
+    if isinstance(exc, Beyond):
+        return Problem(step.target.path, "mount", f"{exc}; left in place ({item.kind} {item.path})")
+    return Problem(step.target.path, "local_error", f"cannot remove: {getattr(exc, 'strerror', None) or exc}; "
+                                                    "left in place")
 
 
 # ---------------------------------------------------------------- the shared store
 
 
-def sweep_payload(payload: Path, hub: Path, seen: reclaim.Seen | None = None, *, may_delete: bool = True) -> int:
+def sweep_payload(payload: Path, hub: Path, tree: Tree, seen: reclaim.Seen | None = None, *,
+                  may_delete: bool = True) -> int:
     """Remove one shared-store payload the way huggingface_hub 2.4's GC (sweep_shared_blob) does:
     under its per-payload lock (`<hash>.lock`, the flock huggingface_hub's downloads take before
     they link to a payload), read `<hash>.refs`; the references that count are its lines that are
     repo blobs still linking to this payload. If any is left, the manifest is rewritten with
     exactly those and the payload stays; if none, the payload goes, then its manifest. A manifest
     that cannot be read keeps the payload. `may_delete=False` only rewrites the manifest (a payload a
-    kept snapshot reaches: a manifest that misses a referrer must not make it go). Returns the
+    kept snapshot reaches: a manifest that misses a referrer must not make it go). The lock, the
+    payload and the manifest are reached through the bucket's descriptor in `tree`. Returns the
     bytes freed."""
-    lock = payload.with_name(payload.name + ".lock")
+    bucket = tree.dir(str(payload.parent))
+    lock = payload.name + ".lock"
     refs = payload.with_name(payload.name + ".refs")
     # Non-blocking: opening a FIFO at the lock's name for writing would wait for a reader for ever.
-    fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
+    fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666, dir_fd=bucket)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _Changed(f"{lock.name} is not a regular file")
+            raise _Changed(f"{lock} is not a regular file")
         deadline = time.monotonic() + SWEEP_LOCK_WAIT
         while True:
             try:
@@ -480,10 +567,10 @@ def sweep_payload(payload: Path, hub: Path, seen: reclaim.Seen | None = None, *,
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise _Changed(f"a download holds {lock.name}") from None
+                    raise _Changed(f"a download holds {lock}") from None
                 time.sleep(0.05)
         if seen is not None:
-            st = os.lstat(payload)
+            st = os.stat(payload.name, dir_fd=bucket, follow_symlinks=False)
             if (st.st_dev, st.st_ino, st.st_size) != (seen.dev, seen.ino, seen.size):
                 raise _Changed("replaced since the scan")
         try:
@@ -500,11 +587,11 @@ def sweep_payload(payload: Path, hub: Path, seen: reclaim.Seen | None = None, *,
             return 0
         if not may_delete:
             return 0
-        size = os.lstat(payload).st_size
-        os.unlink(payload)
+        size = os.stat(payload.name, dir_fd=bucket, follow_symlinks=False).st_size
+        os.unlink(payload.name, dir_fd=bucket)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(refs)
-        fsync_dir(payload.parent)
+            os.unlink(refs.name, dir_fd=bucket)
+        os.fsync(bucket)
         return size
     finally:
         os.close(fd)
@@ -524,14 +611,22 @@ def _links_to(hub: Path, line: str, payload: Path) -> bool:
 
 
 def text_lines(report: PruneReport) -> list[str]:
-    """The human report: one line per item and per problem, a summary, and the archive hint."""
+    """The human report: one line per item, then one `+ PATH` line per further path it removes
+    (its trees json, blobs, shared-store payloads and their manifests), one line per item in use
+    naming every holder, per mount inside the node's paths, per problem, per target, a summary,
+    and the archive hint."""
     from stager.housekeeping.audit import shown
 
     verb = "would remove" if report.dry_run else "removed"
-    lines = [f"  {verb} {i.kind:<13} {format_size(report.bytes_of(i)):>11}  {shown(i.path)}" for i in report.removed]
+    lines = []
+    for item in report.removed:
+        lines.append(f"  {verb} {item.kind:<13} {format_size(report.bytes_of(item)):>11}  {shown(item.path)}")
+        lines.extend(f"      + {shown(path)}" for path in report.paths_of(item) if path != item.path)
     for busy in report.in_use:
         lines.append(f"  in_use {busy.item.kind:<13} {format_size(busy.item.bytes):>11}  {shown(busy.item.path)}: "
-                     f"{shown(busy.uses[0].describe())}")
+                     f"{shown(busy.describe())}")
+    for mount in report.mounts:
+        lines.append(f"  mount  {shown(mount.point)}: shows {shown(mount.shows)}; never entered")
     for problem in report.problems:
         lines.append(f"  {problem.kind:<16} {shown(problem.path)}: {shown(problem.detail)}")
     for target in report.targets:

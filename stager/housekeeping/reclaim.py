@@ -19,8 +19,9 @@ prune"):
 
 Never in the plan: a revision the manifest wants now (the NAS ref's commit, and the commit the
 node's own ref names while the NAS one is pending), anything a kept snapshot reaches, anything
-outside the node hub and engram_dir, and anything in use (`in_use.users`), which is listed
-instead. A shared-store payload goes with the last item that removes a repo blob linking to it,
+outside the node hub and engram_dir or beyond a mount inside them (the scan lists a directory only
+on its root's own filesystem and mount: `fence.View`), and anything in use (`in_use.users`, and a
+mount at, in or above what the item removes), which is listed instead. A shared-store payload goes with the last item that removes a repo blob linking to it,
 and only under huggingface_hub's rule at the moment of deletion (`prune.sweep_payload`).
 """
 
@@ -34,6 +35,7 @@ from pathlib import Path
 from stager.base import identity
 from stager.base.atomic import is_temp_name
 from stager.mirror.hub import MAX_HOPS, SHA256_NAME
+from stager.housekeeping.fence import Crossing, Entry, Fence, View, under
 from stager.housekeeping.in_use import FileId, Use, users
 from stager.base.lock import ARCHIVE_LOCK, ENGRAM_LOCK, HUB_LOCK, PROC_LOCKS, LockTable
 from stager.mirror.records import SUMS_NAME, read_sums
@@ -86,6 +88,16 @@ class Step:
     sums: str | None = None
     files: int = 0
     after: tuple[str, ...] = ()  # paths that must be gone first: the snapshots or repo blobs reaching it
+    refs: str | None = None  # sweep: the payload's `.refs` manifest, which goes with it
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """What this step removes (a directory with everything in it)."""
+        if self.action in ("unlink", "trash"):
+            return (self.target.path,)
+        if self.action == "sweep":
+            return (self.target.path,) + ((self.refs,) if self.refs else ())
+        return ()
 
 
 @dataclass(frozen=True)
@@ -96,14 +108,23 @@ class Item:
     detail: str
     used: float  # when a process last read its files: the newest atime among them (see _use)
     steps: tuple[Step, ...] = ()
-    reaches: frozenset[FileId] = frozenset()  # files and directories whose use keeps the item
+    # Files and directories it removes or reaches: open, mapped, a working or root directory, or
+    # a mount's root there keeps the item.
+    reaches: frozenset[FileId] = frozenset()
     device: int = 0  # the filesystem it gives space back on
     repo: str = ""  # the repo directory a revision or blob belongs to
     removes: frozenset[str] = frozenset()  # repo blobs (paths) this item takes away
+    exposed_by: frozenset[FileId] = frozenset()  # directories above it a mount of which exposes it: repo, blobs/
+    touches: frozenset[str] = frozenset()  # paths a mount at, in or above which keeps the item
 
     @property
     def files(self) -> int:
         return sum(s.files for s in self.steps)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every path its steps remove, in their order (a directory with everything in it)."""
+        return tuple(path for step in self.steps for path in step.paths)
 
     def to_json(self) -> dict:
         return {"path": self.path, "kind": self.kind, "bytes": self.bytes, "detail": self.detail}
@@ -117,7 +138,11 @@ class InUse:
     def to_json(self) -> dict:
         first = self.uses[0]
         return {**self.item.to_json(), "pid": first.pid, "command": first.command, "how": first.how,
-                "users": [{"pid": u.pid, "command": u.command, "how": u.how} for u in self.uses]}
+                "users": [u.to_json() for u in self.uses]}
+
+    def describe(self) -> str:
+        """Every holder, in one line."""
+        return "; ".join(u.describe() for u in self.uses)
 
 
 @dataclass(frozen=True)
@@ -140,6 +165,7 @@ class Plan:
     kept: tuple[Kept, ...] = ()  # items the rule keeps (a ref names them, .refs unreadable, ...)
     live_temps: tuple[Kept, ...] = ()
     notes: tuple[str, ...] = ()
+    mounts: tuple[Crossing, ...] = ()  # mounts inside the node's paths: never entered
 
     @property
     def bytes(self) -> int:
@@ -165,13 +191,6 @@ def _lstat(path: str) -> os.stat_result | None:
         return None
 
 
-def _scandir(path: str) -> list[os.DirEntry]:
-    try:
-        return sorted(os.scandir(path), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
 def is_partial(name: str) -> bool:
     return is_temp_name(name) or name.endswith((".partial", ".incomplete"))
 
@@ -181,29 +200,6 @@ def _hf_in_flight(name: str) -> bool:
     links it renames into place while holding them. Never reclaimable: deleting a lock file that a
     download holds lets a second writer in."""
     return name.endswith((".lock", ".lock.soft", ".shared")) or (name.startswith(".") and name.endswith(".tmp"))
-
-
-def _tree(root: str):
-    """(directory, [(path, lstat)] of its subdirectories, [(path, lstat)] of everything else), top
-    down, never through a link. Not os.walk: it stats every link's target to ask whether it is a
-    directory, which followed the links of a snapshot into the blobs (and could follow a planted one
-    onto the NAS) and took most of a prune of 100,000 files."""
-    stack = [root]
-    while stack:
-        here = stack.pop()
-        try:
-            entries = list(os.scandir(here))
-        except OSError:
-            continue  # gone, or not a directory (any more)
-        dirs, others = [], []
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            (dirs if stat.S_ISDIR(st.st_mode) else others).append((entry.path, st))
-        yield here, dirs, others
-        stack.extend(path for path, _st in reversed(dirs))
 
 
 def _use(st: os.stat_result | None) -> float:
@@ -238,11 +234,20 @@ class _Snapshot:
     used: float
 
 
-def _follow(path: str, hops: set[str], finals: set[str], stats: dict[str, os.stat_result | None]) -> None:
+def _beyond(view: View, path: str) -> bool:
+    """`path` is outside the root, or at or below a mount inside it: not the node's to read."""
+    return not under(path, view.fence.root) or any(under(path, point) for point in view.crossings)
+
+
+def _follow(path: str, hops: set[str], finals: set[str], stats: dict[str, os.stat_result | None],
+            view: View) -> None:
     """Every hop of the chain from `path`, read with lstat and readlink (each hop once per scan:
-    thousands of entries reach the same few blobs)."""
+    thousands of entries reach the same few blobs). A hop outside the root or beyond a mount ends
+    the chain there: what lies past it is not the node's."""
     for _ in range(MAX_HOPS + 1):
         hops.add(path)
+        if _beyond(view, path):
+            return
         if path not in stats:
             stats[path] = _lstat(path)
         st = stats[path]
@@ -257,22 +262,22 @@ def _follow(path: str, hops: set[str], finals: set[str], stats: dict[str, os.sta
         path = os.path.normpath(os.path.join(os.path.dirname(path), target))
 
 
-def _scan_snapshot(repo: str, entry: os.DirEntry, stats: dict) -> _Snapshot | None:
-    st = _lstat(entry.path)
-    if st is None or not stat.S_ISDIR(st.st_mode):
+def _scan_snapshot(repo: str, entry: Entry, stats: dict, view: View) -> _Snapshot | None:
+    st = entry.st
+    if not stat.S_ISDIR(st.st_mode):
         return None
     hops: set[str] = set()
     finals: set[str] = set()
     dirs, real = [Seen.of(entry.path, st)], []
     used = 0.0  # the files its entries resolve to (_use): never its directories
-    for _here, subdirs, files in _tree(entry.path):
+    for _here, subdirs, files in view.tree(entry.path):
         for path, sub in subdirs:
             dirs.append(Seen.of(path, sub))
         for path, sub in files:
             stats[path] = sub
             if stat.S_ISREG(sub.st_mode):
                 real.append(Seen.of(path, sub))
-            _follow(path, hops, finals, stats)
+            _follow(path, hops, finals, stats, view)
     for final in finals:
         final_st = stats.get(final)
         if final_st is not None:
@@ -280,11 +285,27 @@ def _scan_snapshot(repo: str, entry: os.DirEntry, stats: dict) -> _Snapshot | No
     return _Snapshot(repo, entry.name, Seen.of(entry.path, st), hops, finals, dirs, real, used)
 
 
-def _local_refs(repo: str) -> dict[str, list[str]]:
+def _unseen(path: str) -> Seen:
+    """A directory that is itself a mount point: never read through. Its identity matches nothing,
+    so a step on it finds it changed and leaves it."""
+    return Seen(path, 0, 0, 0, 0, True)
+
+
+def _snapshots(repo: str, stats: dict, view: View) -> list[_Snapshot]:
+    """The repo's snapshots; one that is a mount point is there, never entered."""
+    parent = os.path.join(repo, "snapshots")
+    snaps = [s for e in view.listing(parent) if (s := _scan_snapshot(repo, e, stats, view)) is not None]
+    for mount in view.mounts_in(parent):
+        snaps.append(_Snapshot(repo, os.path.basename(mount.point), _unseen(mount.point), {mount.point}, set(),
+                               [], [], 0.0))
+    return sorted(snaps, key=lambda s: s.commit)
+
+
+def _local_refs(repo: str, view: View) -> dict[str, list[str]]:
     """commit -> the local refs naming it (nested ones such as refs/pr/1 too)."""
     named: dict[str, list[str]] = {}
     refs = os.path.join(repo, "refs")
-    for _here, _dirs, files in _tree(refs):
+    for _here, _dirs, files in view.tree(refs):
         for path, _st in files:
             try:
                 text = read_regular(path, 128).decode("ascii", "replace").strip()
@@ -294,14 +315,14 @@ def _local_refs(repo: str) -> dict[str, list[str]]:
     return named
 
 
-def _repo_files(repo: str, stats: dict) -> tuple[list[str], list[str], float, int]:
+def _repo_files(repo: str, stats: dict, view: View) -> tuple[list[str], list[str], float, int]:
     """(regular files, directories, newest use of its content, bytes) of a whole repo directory.
 
     Content is what a client loads: blobs/ and files in snapshots/. refs/ and trees/ are read by
     anything that only looks at the cache (`hf cache scan` reads every ref), which is not use."""
     files, dirs, used, size = [], [repo], 0.0, 0
     content = (os.path.join(repo, "blobs", ""), os.path.join(repo, "snapshots", ""))
-    for _here, subdirs, names in _tree(repo):
+    for _here, subdirs, names in view.tree(repo):
         dirs.extend(path for path, _st in subdirs)
         for path, st in names:
             stats[path] = st
@@ -318,61 +339,104 @@ def _blob_sha256(path: str) -> str | None:
     return name if SHA256_NAME.match(name) else None
 
 
+def _ids(paths: list[str]) -> frozenset[FileId]:
+    """(st_dev, st_ino) of each existing path (lstat)."""
+    found = set()
+    for path in paths:
+        st = _lstat(path)
+        if st is not None:
+            found.add((st.st_dev, st.st_ino))
+    return frozenset(found)
+
+
 @dataclass
 class _HubScan:
     root: str
-    items: list[Item]
-    kept: list[Kept]
+    items: list[Item] = field(default_factory=list)
+    kept: list[Kept] = field(default_factory=list)
     # What the attach stage needs: repo blobs no kept snapshot reaches, by the items whose
     # snapshots reach them; payloads no kept snapshot reaches, by the repo blobs linking to them.
-    blob_reachers: dict[str, set[str]]  # blob path -> revision item paths
-    blob_stats: dict[str, os.stat_result]
-    payload_referrers: dict[str, set[str]]  # payload path -> repo blobs linking to it
-    payload_stats: dict[str, os.stat_result]
-    refs_unusable: dict[str, str]
+    blob_reachers: dict[str, set[str]] = field(default_factory=dict)  # blob path -> revision item paths
+    blob_stats: dict[str, os.stat_result] = field(default_factory=dict)
+    payload_referrers: dict[str, set[str]] = field(default_factory=dict)  # payload path -> repo blobs linking to it
+    payload_stats: dict[str, os.stat_result] = field(default_factory=dict)
+    refs_unusable: dict[str, str] = field(default_factory=dict)
+    crossings: dict[str, Crossing] = field(default_factory=dict)  # mounts inside the hub: never entered
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Judged:
+    """The snapshots of the listed repos, judged: what kept ones reach, and the unwanted ones."""
+
+    kept_hops: set[str] = field(default_factory=set)
+    unwanted: list[_Snapshot] = field(default_factory=list)
 
 
 def scan_hub(hub: str, wanted: Wanted, listed: set[str]) -> _HubScan:
-    """Every repo, snapshot, repo blob and payload of the node hub, and the candidate items
-    (revisions, unlisted repos, orphans) before the in-use check and the attachment of blobs."""
+    """Every repo, snapshot, repo blob and payload of the node hub on the hub's own mount, and the
+    candidate items (revisions, unlisted repos, orphans) before the in-use check and the
+    attachment of blobs. Mounts met inside the hub are recorded, never entered."""
     root = identity.resolved(hub)
-    scan = _HubScan(root, [], [], {}, {}, {}, {}, {})
-    if not os.path.isdir(root):
+    scan = _HubScan(root)
+    view = _view(root)
+    if view is None:
         return scan
     stats: dict[str, os.stat_result | None] = {}
-    repos = [e for e in _scandir(root) if e.is_dir(follow_symlinks=False) and "--" in e.name
-             and e.name.split("--")[0] in REPO_KINDS]
-    kept_hops: set[str] = set()
-    unwanted: list[_Snapshot] = []
-    repo_items: list[tuple[os.DirEntry, list]] = []
+    repos = [e for e in view.listing(root) if e.is_dir and _is_repo_name(e.name)]
+    snaps = {repo.path: _snapshots(repo.path, stats, view) for repo in repos}
+    judged = _judge_snapshots(scan, view, [r for r in repos if r.name in listed], snaps, wanted)
+    _revision_items(scan, judged, stats)
+    _unlisted_repo_items(scan, view, [r for r in repos if r.name not in listed], snaps, judged, stats)
+    _mounted_repo_items(scan, view, listed)
+    _repo_blobs(scan, view, repos, listed, judged)
+    _payloads(scan, view, judged)
+    scan.crossings = dict(view.crossings)
+    return scan
+
+
+def _is_repo_name(name: str) -> bool:
+    return "--" in name and name.split("--")[0] in REPO_KINDS
+
+
+def _judge_snapshots(scan: _HubScan, view: View, repos: list[Entry], snaps: dict[str, list[_Snapshot]],
+                     wanted: Wanted) -> _Judged:
+    """Each snapshot of a listed repo is kept (wanted, named by a local ref, or the manifest cannot
+    say) or unwanted."""
+    judged = _Judged()
     for repo in repos:
-        snaps = [s for e in _scandir(os.path.join(repo.path, "snapshots"))
-                 if (s := _scan_snapshot(repo.path, e, stats)) is not None]
-        if repo.name not in listed:
-            repo_items.append((repo, snaps))
-            continue
+        snapshots_dir = os.path.join(repo.path, "snapshots")
+        for mount in view.beyond(snapshots_dir):
+            if under(snapshots_dir, mount.point):
+                scan.kept.append(Kept(snapshots_dir, "revision", 0, f"a mount at {mount.point} (showing "
+                                      f"{mount.shows}): the repo's revisions are not judged"))
         commits = wanted.commits.get(repo.name)
-        named = _local_refs(repo.path)
-        for snap in snaps:
+        named = _local_refs(repo.path, view)
+        for snap in snaps[repo.path]:
             if commits is None:
                 scan.kept.append(Kept(snap.seen.path, "revision", 0, wanted.why_unknown.get(
                     repo.name, "cannot tell which revisions the manifest wants")))
-                kept_hops |= snap.hops
+                judged.kept_hops |= snap.hops
             elif snap.commit in commits:
-                kept_hops |= snap.hops
+                judged.kept_hops |= snap.hops
             elif snap.commit in named:
                 refs = ", ".join(f"refs/{r}" for r in sorted(named[snap.commit]))
                 scan.kept.append(Kept(snap.seen.path, "revision", 0, f"named by {refs}; delete the ref to reclaim it"))
-                kept_hops |= snap.hops
+                judged.kept_hops |= snap.hops
             else:
-                unwanted.append(snap)
-    # Revisions: nothing of theirs may be what a kept snapshot reaches (a kept entry linking into
-    # an old snapshot's real file would dangle).
-    for snap in unwanted:
+                judged.unwanted.append(snap)
+    return judged
+
+
+def _revision_items(scan: _HubScan, judged: _Judged, stats: dict) -> None:
+    """An item per unwanted snapshot: the snapshot, its trees json and .no_exist markers. Nothing
+    of it may be what a kept snapshot reaches (a kept entry linking into an old snapshot's real
+    file would dangle)."""
+    for snap in judged.unwanted:
         own = {d.path for d in snap.dirs} | {f.path for f in snap.real_files}
-        if any(h in kept_hops for h in snap.hops if _inside(h, snap.seen.path)) or own & kept_hops:
+        if any(h in judged.kept_hops for h in snap.hops if _inside(h, snap.seen.path)) or own & judged.kept_hops:
             scan.kept.append(Kept(snap.seen.path, "revision", 0, "a kept snapshot links into it"))
-            kept_hops |= snap.hops
+            judged.kept_hops |= snap.hops
             continue
         repo = snap.repo
         steps = [Step("trash", snap.seen, sum(f.size for f in snap.real_files), files=len(snap.real_files))]
@@ -386,87 +450,126 @@ def scan_hub(hub: str, wanted: Wanted, listed: set[str]) -> _HubScan:
                 steps.append(Step("unlink", Seen.of(extra, st), files=1 if stat.S_ISREG(st.st_mode) else 0))
         reaches = {f.id for f in snap.real_files} | {d.id for d in snap.dirs}
         reaches |= {(stats[f].st_dev, stats[f].st_ino) for f in snap.finals if stats.get(f) is not None}
-        repo_st = _lstat(repo)
-        if repo_st is not None:
-            reaches.add((repo_st.st_dev, repo_st.st_ino))
+        touches = {s.target.path for s in steps} | {h for h in snap.hops if under(h, repo)}
         scan.items.append(Item("revision", snap.seen.path, steps[0].bytes,
                                f"revision {snap.commit} of {os.path.basename(repo)} is not wanted and no ref names it",
-                               snap.used, tuple(steps), frozenset(reaches), snap.seen.dev, repo))
+                               snap.used, tuple(steps), frozenset(reaches), snap.seen.dev, repo,
+                               exposed_by=_ids([repo, os.path.join(repo, "snapshots"), os.path.join(repo, "blobs")]),
+                               touches=frozenset(touches)))
         for hop in snap.hops:
             if os.path.dirname(hop) == os.path.join(repo, "blobs"):
                 scan.blob_reachers.setdefault(hop, set()).add(snap.seen.path)
-    # Unlisted repos, whole, unless a kept snapshot links into them.
-    for repo, snaps in repo_items:
-        if any(_inside(h, repo.path) for h in kept_hops):
+
+
+def _unlisted_repo_items(scan: _HubScan, view: View, repos: list[Entry], snaps: dict[str, list[_Snapshot]],
+                         judged: _Judged, stats: dict) -> None:
+    """Unlisted repos, whole, unless a kept snapshot links into them."""
+    for repo in repos:
+        if any(_inside(h, repo.path) for h in judged.kept_hops):
             scan.kept.append(Kept(repo.path, "unlisted-repo", 0, "a kept snapshot links into it"))
             continue
-        st = _lstat(repo.path)
-        if st is None:
-            continue
-        files, dirs, used, size = _repo_files(repo.path, stats)
+        files, dirs, used, size = _repo_files(repo.path, stats, view)
         reaches = set()
         for path in files + dirs:
             sub = stats.get(path) or _lstat(path)
             if sub is not None:
                 reaches.add((sub.st_dev, sub.st_ino))
-        for snap in snaps:
+        for snap in snaps[repo.path]:
             reaches |= {(stats[f].st_dev, stats[f].st_ino) for f in snap.finals if stats.get(f) is not None}
             used = max(used, snap.used)
-        blobs = {os.path.join(repo.path, "blobs", e.name) for e in _scandir(os.path.join(repo.path, "blobs"))}
+        blobs = {e.path for e in view.listing(os.path.join(repo.path, "blobs"))}
         scan.items.append(Item("unlisted-repo", repo.path, size, "repo is not in this node's models", used,
-                               (Step("trash", Seen.of(repo.path, st), size, files=len(files)),), frozenset(reaches),
-                               st.st_dev, repo.path, frozenset(blobs)))
-    # Repo blobs of listed repos that no snapshot reaches; and who links to each payload.
-    all_hops = kept_hops | {h for s in unwanted for h in s.hops}
+                               (Step("trash", Seen.of(repo.path, repo.st), size, files=len(files)),), frozenset(reaches),
+                               repo.st.st_dev, repo.path, frozenset(blobs), touches=frozenset({repo.path})))
+
+
+def _mounted_repo_items(scan: _HubScan, view: View, listed: set[str]) -> None:
+    """An unlisted repo directory that is itself a mount point: an item, which the mount holds."""
+    for mount in view.mounts_in(scan.root):
+        name = os.path.basename(mount.point)
+        if _is_repo_name(name) and name not in listed:
+            scan.items.append(Item("unlisted-repo", mount.point, 0, "repo is not in this node's models", 0.0,
+                                   (Step("trash", _unseen(mount.point)),), repo=mount.point,
+                                   touches=frozenset({mount.point})))
+
+
+def _repo_blobs(scan: _HubScan, view: View, repos: list[Entry], listed: set[str], judged: _Judged) -> None:
+    """Repo blobs of listed repos that no snapshot reaches (orphans), and which repo blobs link to
+    each payload. A repo whose snapshots/ a mount hides has no orphans: what reaches its blobs is
+    not known. What a mounted directory inside a snapshot links to is the mount's, not the node's."""
+    all_hops = judged.kept_hops | {h for s in judged.unwanted for h in s.hops}
     for repo in repos:
         blobs_dir = os.path.join(repo.path, "blobs")
-        for blob in _scandir(blobs_dir):
-            st = _lstat(blob.path)
-            if st is None:
-                continue
+        snapshots_hidden = any(under(os.path.join(repo.path, "snapshots"), point) for point in view.crossings)
+        for blob in view.listing(blobs_dir):
+            st = blob.st
             if stat.S_ISLNK(st.st_mode):
                 try:
                     target = os.path.normpath(os.path.join(blobs_dir, os.readlink(blob.path)))
                 except OSError:
                     target = None
-                if target and _is_payload_path(target, root):
+                if target and _is_payload_path(target, scan.root):
                     scan.payload_referrers.setdefault(target, set()).add(blob.path)
-            if repo.name not in listed or is_partial(blob.name) or _hf_in_flight(blob.name):
+            if repo.name not in listed or is_partial(blob.name) or _hf_in_flight(blob.name) or snapshots_hidden:
                 continue
-            if blob.path in kept_hops:
+            if blob.path in judged.kept_hops:
                 continue
             scan.blob_stats[blob.path] = st
             if blob.path in all_hops:
                 continue  # reached by an unwanted revision only: it goes with the last of them
-            detail = "no snapshot links to this blob"
-            if stat.S_ISLNK(st.st_mode):
-                try:
-                    detail += f" (a link to {os.readlink(blob.path)})"
-                except OSError:
-                    pass
-            size = st.st_size if stat.S_ISREG(st.st_mode) else 0
-            reaches = {(st.st_dev, st.st_ino)}
-            used = _use(st)
-            if stat.S_ISLNK(st.st_mode):
-                final = _lstat(identity.resolved(blob.path)) if identity.inside(blob.path, root) else None
-                if final is not None:
-                    reaches.add((final.st_dev, final.st_ino))
-                    used = _use(final)  # the payload it links to is what a reader read
-            scan.items.append(Item("blob", blob.path, size, detail, used,
-                                   (Step("unlink", Seen.of(blob.path, st), size, _blob_sha256(blob.path),
-                                         files=1 if size or stat.S_ISREG(st.st_mode) else 0),),
-                                   frozenset(reaches), st.st_dev, repo.path, frozenset({blob.path})))
-    # Payloads of the shared store that no kept snapshot reaches.
-    store = os.path.join(root, STORE)
-    for bucket in _scandir(store):
-        if not bucket.is_dir(follow_symlinks=False):
+            scan.items.append(_orphan_blob(scan.root, repo.path, blob))
+
+
+def _hidden_blobs(root: str, crossings: dict[str, Crossing]) -> list[Crossing]:
+    """Mounts that hide a repo's blobs/ (the repo directory, or its blobs/, is a mount point)."""
+    hidden = []
+    for point, crossing in sorted(crossings.items()):
+        parts = os.path.relpath(point, root).split("/")
+        if _is_repo_name(parts[0]) and (len(parts) == 1 or parts[1:] == ["blobs"]):
+            hidden.append(crossing)
+    return hidden
+
+
+def _orphan_blob(root: str, repo: str, blob: Entry) -> Item:
+    st = blob.st
+    detail = "no snapshot links to this blob"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            detail += f" (a link to {os.readlink(blob.path)})"
+        except OSError:
+            pass
+    size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+    reaches = {(st.st_dev, st.st_ino)}
+    used = _use(st)
+    if stat.S_ISLNK(st.st_mode):
+        final = _lstat(identity.resolved(blob.path)) if identity.inside(blob.path, root) else None
+        if final is not None:
+            reaches.add((final.st_dev, final.st_ino))
+            used = _use(final)  # the payload it links to is what a reader read
+    return Item("blob", blob.path, size, detail, used,
+                (Step("unlink", Seen.of(blob.path, st), size, _blob_sha256(blob.path),
+                      files=1 if size or stat.S_ISREG(st.st_mode) else 0),),
+                frozenset(reaches), st.st_dev, repo, frozenset({blob.path}),
+                exposed_by=_ids([repo, os.path.join(repo, "blobs")]), touches=frozenset({blob.path}))
+
+
+def _payloads(scan: _HubScan, view: View, judged: _Judged) -> None:
+    """Payloads of the shared store that no kept snapshot reaches. None while a mount hides some
+    repo's blobs/: which repo blobs link to a payload is not known then."""
+    hidden = _hidden_blobs(scan.root, view.crossings)
+    if hidden:
+        scan.notes.append(f"a mount at {hidden[0].point} (showing {hidden[0].shows}) hides a repo's blobs/: "
+                          "shared-store payloads are not judged while it is there")
+        return
+    for bucket in view.listing(os.path.join(scan.root, STORE)):
+        if not bucket.is_dir:
             continue
-        for payload in _scandir(bucket.path):
+        for payload in view.listing(bucket.path):
             name = payload.name
-            if name.endswith(".refs") or is_partial(name) or _hf_in_flight(name) or payload.path in kept_hops:
+            if name.endswith(".refs") or is_partial(name) or _hf_in_flight(name) or payload.path in judged.kept_hops:
                 continue
-            st = _lstat(payload.path)
-            if st is None or not stat.S_ISREG(st.st_mode):
+            st = payload.st
+            if not stat.S_ISREG(st.st_mode):
                 continue
             problem = _refs_problem(payload.path + ".refs")
             if problem:
@@ -474,7 +577,6 @@ def scan_hub(hub: str, wanted: Wanted, listed: set[str]) -> _HubScan:
                 scan.refs_unusable[payload.path] = problem
                 continue
             scan.payload_stats[payload.path] = st
-    return scan
 
 
 def _is_payload_path(path: str, root: str) -> bool:
@@ -496,6 +598,15 @@ def _refs_problem(refs: str) -> str | None:
     return None
 
 
+def _view(root: str) -> View | None:
+    """The scan's look at `root` (resolved), or None when it is not a directory."""
+    real = identity.resolved(root)
+    try:
+        return View(Fence.of(real))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 # ---------------------------------------------------------------- engram_dir
 
 
@@ -506,11 +617,15 @@ def shard_items(engram_dir: str, world: int | None, layers: set[int], why_none: 
     from stager.engram.shard_format import parse_shard_name
 
     items = []
+    view = _view(engram_dir)
+    if view is None:
+        return items
+    engram_dir = view.fence.root
     sums_path = os.path.join(engram_dir, SUMS_NAME)
     sums = None
-    for entry in _scandir(engram_dir):
+    for entry in view.listing(engram_dir):
         parsed = parse_shard_name(entry.name)
-        if parsed is None or not entry.is_file(follow_symlinks=False):
+        if parsed is None or not stat.S_ISREG(entry.st.st_mode):
             continue
         layer, _rank, tp = parsed
         if why_none is not None:
@@ -543,7 +658,7 @@ def shard_items(engram_dir: str, world: int | None, layers: set[int], why_none: 
                 digest = _receipt_sha256(receipt)
         steps.append(Step("unlink", Seen.of(entry.path, st), st.st_size, digest, files=1))
         items.append(Item("shard", entry.path, size, why, _use(st), tuple(steps), frozenset({(st.st_dev, st.st_ino)}),
-                          st.st_dev))
+                          st.st_dev, touches=frozenset(p for step in steps for p in step.paths)))
     return items
 
 
@@ -590,12 +705,13 @@ def stale_temps(hub: str, engram_dir: str | None, now: float, *, holder: int | N
     under a running mirror, while a missed leftover only waits for the next audit. `holder` is
     this process when it holds the hub's and engram_dir's locks itself (stage prune): a lock
     held by it is no live writer, since nothing else can write there meanwhile."""
-    hub = os.path.normpath(hub)
-    engram_dir = os.path.normpath(engram_dir) if engram_dir else None
+    hub = identity.resolved(hub)
+    engram_dir = identity.resolved(engram_dir) if engram_dir else None
     before = LockTable.read()
     candidates: dict[str, tuple[os.stat_result, float]] = {}  # by path: engram_dir may lie in the hub
     for root in [hub] + ([engram_dir] if engram_dir else []):
-        for here, _dirs, files in _tree(root):
+        view = _view(root)
+        for here, _dirs, files in view.tree(root) if view else ():
             if os.path.join(here, "x").startswith(os.path.join(hub, TRASH) + "/"):
                 continue
             for path, st in files:
@@ -619,7 +735,7 @@ def stale_temps(hub: str, engram_dir: str | None, now: float, *, holder: int | N
             size = st.st_size if stat.S_ISREG(st.st_mode) else 0
             interrupted.append(Item("temp", path, size, f"interrupted write, untouched for {age / 3600:.1f} h",
                                     _use(st), (Step("unlink", Seen.of(path, st), size, files=1),),
-                                    frozenset({(st.st_dev, st.st_ino)}), st.st_dev))
+                                    frozenset({(st.st_dev, st.st_ino)}), st.st_dev, touches=frozenset({path})))
     return interrupted, live
 
 
@@ -668,7 +784,9 @@ def attach(scan: _HubScan, items: list[Item]) -> tuple[list[Item], list[Step]]:
         owners = [taken.get(blob) for blob in referrers]
         if referrers and any(o is None for o in owners):
             continue  # a repo blob that stays links to it
-        step = Step("sweep", Seen.of(payload, st), st.st_size, files=1, after=tuple(sorted(referrers)))
+        refs = payload + ".refs"
+        step = Step("sweep", Seen.of(payload, st), st.st_size, files=1, after=tuple(sorted(referrers)),
+                    refs=refs if _lstat(refs) is not None else None)
         if referrers:
             extra.setdefault(max(owners), []).append(step)
         else:
@@ -704,14 +822,16 @@ def make_plan(hub: str, engram_dir: str | None, wanted: Wanted, listed: set[str]
     temps, live = stale_temps(hub, engram_dir, now, holder=holder)
     candidates += temps
     payload_candidates = [Item("shared-blob", p, st.st_size, "no repo blob links to this shared-store payload",
-                               _use(st), (), frozenset({(st.st_dev, st.st_ino)}), st.st_dev)
+                               _use(st), (), frozenset({(st.st_dev, st.st_ino)}), st.st_dev, touches=frozenset({p}))
                           for p, st in scan.payload_stats.items() if not scan.payload_referrers.get(p)]
     candidates += payload_candidates
     if only:
         candidates = [c for c in candidates if c.kind in only]
+    roots = [hub] + ([engram_dir] if engram_dir else [])
+    mounts = mounts_inside(roots, scan.crossings)
     busy: list[InUse] = []
     if check_use:
-        candidates, busy = split_in_use(candidates, [hub] + ([engram_dir] if engram_dir else []))
+        candidates, busy = split_in_use(candidates, roots, mounts)
     chosen = _order([c for c in candidates if c.kind != "shared-blob"])
     items, orphan_payloads = attach(scan, chosen)
     allowed = {c.path for c in candidates if c.kind == "shared-blob"}
@@ -719,9 +839,39 @@ def make_plan(hub: str, engram_dir: str | None, wanted: Wanted, listed: set[str]
         if step.target.path not in allowed:
             continue
         items.append(Item("shared-blob", step.target.path, step.bytes, "no repo blob links to this shared-store payload",
-                          step.target.mtime_ns / 1e9, (step,), frozenset({step.target.id}), step.target.dev))
+                          step.target.mtime_ns / 1e9, (step,), frozenset({step.target.id}), step.target.dev,
+                          touches=frozenset(step.paths)))
+    busy = _pinning(scan, chosen, busy)
     notes = tuple(f"{shown_path}: every revision kept: {why}" for shown_path, why in sorted(wanted.why_unknown.items()))
-    return Plan(tuple(_order(items)), tuple(busy), tuple(scan.kept), tuple(live), notes)
+    return Plan(tuple(_order(items)), tuple(busy), tuple(scan.kept), tuple(live), notes + tuple(scan.notes),
+                tuple(mounts.values()))
+
+
+def _pinning(scan: _HubScan, chosen: list[Item], busy: list[InUse]) -> list[InUse]:
+    """Each held item sized by what removing it beside the plan would free: its blobs and the
+    payloads only it links to included (a held repo whose blobs link into the shared store is its
+    payloads' size, not its links')."""
+    planned = sum(i.bytes for i in attach(scan, chosen)[0])
+    sized = []
+    for held in busy:
+        if held.item.kind != "shared-blob":
+            with_it = sum(i.bytes for i in attach(scan, _order([*chosen, held.item]))[0])
+            held = replace(held, item=replace(held.item, bytes=with_it - planned))
+        sized.append(held)
+    return sized
+
+
+def mounts_inside(roots: list[str], found: dict[str, Crossing]) -> dict[str, Crossing]:
+    """Every mount strictly inside the node's paths, by mount point: those a scan met (`found`)
+    and those the mount table shows now. A root mounted inside another root is not one."""
+    real = [identity.resolved(r) for r in roots]
+    mounts = dict(found)
+    for root in real:
+        try:
+            mounts.update(Fence.of(root).mounts_below())
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return {point: c for point, c in sorted(mounts.items()) if point not in real}
 
 
 def devices_of(roots: list[str]) -> set[str]:
@@ -733,15 +883,20 @@ def devices_of(roots: list[str]) -> set[str]:
     return found
 
 
-def split_in_use(items: list[Item], roots: list[str]) -> tuple[list[Item], list[InUse]]:
-    """(items nobody uses, the others with who uses them): an open descriptor, a memory map, or a
-    bind mount in another mount namespace of a file the item removes or reaches, or of one of its
-    directories."""
+def split_in_use(items: list[Item], roots: list[str], mounts: dict[str, Crossing]) -> tuple[list[Item], list[InUse]]:
+    """(items nobody uses, the others with every holder): a process with a file or directory the
+    item removes or reaches open, mapped, or as its working or root directory; a mount, in any
+    mount namespace, of one of them or of a directory that exposes them (`Item.exposed_by`); and
+    one of `mounts` (inside the node's paths) at, in or above a path the item touches."""
     ids = set().union(*(i.reaches for i in items)) if items else set()
-    found = users(ids, devices=devices_of(roots))
+    exposing = set().union(*(i.exposed_by for i in items)) if items else set()
+    found = users(ids, exposing=exposing, devices=devices_of(roots))
     free, busy = [], []
     for item in items:
         uses = [u for file_id in sorted(item.reaches) for u in found.get(file_id, [])]
+        uses += [u for file_id in sorted(item.exposed_by) for u in found.get(file_id, []) if u.mount is not None]
+        uses += [Use(None, "", f"a mount at {c.point}", c.point, c.shows) for c in mounts.values()
+                 if any(under(c.point, path) or under(path, c.point) for path in item.touches)]
         if uses:
             busy.append(InUse(item, tuple(dict.fromkeys(uses))))
         else:

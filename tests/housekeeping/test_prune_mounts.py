@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from prune_fixtures import (MODEL_DIR, OLD_DIR, Node, bound, build_node, guard, listed, scan_clean, tree_bytes,
-                            unmount_below)
+from prune_fixtures import (MODEL_DIR, OLD_DIR, Node, bound, build_node, listed, nas_state, scan_clean,
+                            tree_bytes, unmount_below)
 from prune_fixtures import nas_guard  # noqa: F401 - autouse: the NAS is byte-identical after every test
 from reliability_support import needs_root, tmpfs
 
@@ -119,7 +119,7 @@ def test_a_mount_of_another_filesystem_inside_a_revision_keeps_it(node: Node, tm
         (nas2 / "original").mkdir()
         for i in range(3):
             (nas2 / "original" / f"weights-{i}.bin").write_bytes(os.urandom(4096))
-        guard(nas2)
+        before = nas_state(nas2)
         point = node.old_snapshot / "original"
         with bound(nas2 / "original", point, cleanup=node.hub):
             result = node.prune()
@@ -128,7 +128,7 @@ def test_a_mount_of_another_filesystem_inside_a_revision_keeps_it(node: Node, tm
         assert busy["path"] == str(node.old_snapshot)
         assert [(u["mount"], u["shows"]) for u in busy["users"]] == [(str(point), str(nas2 / "original"))]
         assert [i["kind"] for i in result.json["removed"]] == ["unlisted-repo"]
-        assert len(list((nas2 / "original").iterdir())) == 3
+        assert nas_state(nas2) == before  # checked while it is mounted: the guard runs after the unmount
 
 
 def test_a_repo_directory_that_is_a_mount_is_never_entered(node: Node, tmp_path: Path):
