@@ -498,7 +498,8 @@ def prom_text(report: AuditReport, last_success: float | None = None) -> str:
           [({"node": node, "model": p.repo_id, "revision": p.revision}, p.idle_seconds) for p in report.pending])
     gauge("stage_reclaimable_bytes", f"The {TOP_RECLAIMABLE} largest reclaimable items.",
           [({"node": node, "path": o.path, "kind": o.kind}, o.bytes) for o in report.reclaimable])
-    gauge("stage_in_use_bytes", "Bytes stage prune may not remove now: reclaimable items open, mapped or bind-mounted.",
+    gauge("stage_in_use_bytes", "Bytes stage prune may not remove now: reclaimable items held (open, mapped, a "
+          "working or root directory, mounted).",
           [({"node": node}, sum(u.item.bytes for u in report.plan.in_use))])
     # A counter, though each run replaces the file: its value is the running total the node's
     # journal carries, so it only grows, across runs, reboots and a lost textfile.
@@ -529,7 +530,7 @@ def details(report: AuditReport) -> list[str]:
         lines.append(f"  live temp    {format_size(temp.bytes):>11}  {shown(temp.path)}: {shown(temp.detail)}")
     for busy in report.plan.in_use:
         lines.append(f"  in use       {format_size(busy.item.bytes):>11}  {shown(busy.item.path)} ({busy.item.kind}): "
-                     f"{shown(busy.uses[0].describe())}")
+                     f"{shown(busy.describe())}")
     if report.reclaimable:
         lines.append("largest reclaimable:")
         lines.extend(f"  {format_size(o.bytes):>11}  {shown(o.path)} ({o.kind})" for o in report.reclaimable)
