@@ -143,3 +143,27 @@ def test_a_repo_directory_that_is_a_mount_is_never_entered(node: Node, tmp_path:
         assert [(u["mount"], u["shows"]) for u in busy["users"]] == [(str(item), str(node.nas / OLD_DIR))]
     unmount_below(tmp_path)
     assert (item / "snapshots").is_dir()
+
+
+def test_a_trash_left_with_a_mount_inside_is_emptied_around_it(node: Node, tmp_path: Path):
+    """A killed run (or an older prune) left a directory in the trash with a NAS bind inside: the
+    next run empties the trash around the mount, never through it, says so (exit 1), and still
+    carries out its plan; once the mount is gone the trash empties."""
+    plain = listed(node.prune("--dry-run").json["removed"])
+    left = node.hub / ".locks" / "stage-prune-trash" / f"42-{node.old}"
+    (left / "docs").mkdir(parents=True)
+    (left / "docs" / "README.md").write_text("old\n")
+    point = left / "original"
+    with bound(node.nas / MODEL_DIR / "blobs", point, cleanup=tmp_path):
+        seen = tree_bytes(point)
+        result = node.prune()
+        assert tree_bytes(point) == seen
+    assert result.code == 1, result.stdout + result.stderr
+    [problem] = result.json["problems"]
+    assert problem["kind"] == "mount" and problem["path"] == str(left) and str(point) in problem["detail"]
+    assert listed(result.json["removed"]) == plain
+    assert sorted(p.name for p in left.iterdir()) == ["original"]  # the mount point, and nothing else
+    again = node.prune()
+    assert again.code == 0 and again.json["problems"] == [], again.stdout
+    assert not any((node.hub / ".locks" / "stage-prune-trash").iterdir())
+    scan_clean(node.hub)
