@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -283,17 +284,52 @@ def probe_as_member(port: int, key: bytes, run_id: bytes) -> str:
             return f"joined, then {type(exc).__name__}"
 
 
+@contextlib.contextmanager
+def head_in_its_own_process(tmp_path: Path, nas: dict, key: bytes, run_id: bytes):
+    """Relay a, open, in a process of its own (RELAY_PROCESS): yields the process and a's port."""
+    config = {"hub": str(tmp_path / "a" / "hub"), "nas": str(nas["root"]), "seed": SEED, "key": key.hex(),
+              "run_id": run_id.hex()}
+    with started(RELAY_PROCESS) as head:
+        head.stdin.write(json.dumps(config) + "\n")
+        head.stdin.flush()
+        yield head, int(head.stdout.readline())
+
+
+def b_joins(head, port: int, tmp_path: Path, nas: dict, key: bytes, run_id: bytes) -> tuple[dict, dict]:
+    """Relay b, in this process, takes the session from a, the chain's head: b's run and a's."""
+    b = Relay("b", str(tmp_path / "b" / "hub"), DigestCache(open_source(str(nas["root"]), {}), SEED), ())
+    chain = (("a", "127.0.0.1", port), ("b", "127.0.0.1", b.open("127.0.0.1", None, key, run_id)))
+    try:
+        files = [(share.dest, share.source, share.size) for share in nas["files"]]
+        head.stdin.write(json.dumps({"files": files, "chain": chain}) + "\n")
+        head.stdin.flush()
+        got = b.run(Session(0, nas["files"], chain), True)
+        return got, json.loads(head.stdout.readline())
+    finally:
+        b.close()
+
+
+def closed(head) -> dict:
+    head.stdin.write("close\n")
+    head.stdin.flush()
+    return json.loads(head.stdout.readline())
+
+
+def assert_b_got_everything_from_a(tmp_path: Path, nas: dict, got: dict, head_run: dict) -> None:
+    total = sum(share.size for share in nas["files"])
+    assert head_run["nas_bytes"] == total and head_run["fallbacks"] == [], head_run
+    assert got["upstreams"] == ["a"] and got["peer_bytes"] == total and got["nas_bytes"] == 0, got
+    for share in nas["files"]:
+        for name in ("a", "b"):
+            assert sha256(tmp_path / name / "hub" / share.dest) == sha256(nas["root"] / share.source), name
+
+
 def test_a_thread_limit_does_not_take_the_listener_down(tmp_path, nas):
     """Relay a in a process of its own, in a pids cgroup that lets it start no thread more: 100
     slow strangers flood it, and a member that proves the key gets no thread to be served in (it
     is hung up on, and counted). With room for one thread more, b joins and gets every byte from a."""
     key, run_id = mint()
-    config = {"hub": str(tmp_path / "a" / "hub"), "nas": str(nas["root"]), "seed": SEED, "key": key.hex(),
-              "run_id": run_id.hex()}
-    with pids_cgroup() as group, started(RELAY_PROCESS) as head:
-        head.stdin.write(json.dumps(config) + "\n")
-        head.stdin.flush()
-        port = int(head.stdout.readline())
+    with pids_cgroup() as group, head_in_its_own_process(tmp_path, nas, key, run_id) as (head, port):
         (group / "cgroup.procs").write_text(str(head.pid))
         (group / "pids.max").write_text((group / "pids.current").read_text())
         with started(SLOW_STRANGERS, str(port), "6", json.dumps({"127.0.0.1": 100})) as strangers:
@@ -302,29 +338,36 @@ def test_a_thread_limit_does_not_take_the_listener_down(tmp_path, nas):
             probed = probe_as_member(port, key, run_id)
             hit = int(dict(line.split() for line in (group / "pids.events").read_text().splitlines())["max"])
             (group / "pids.max").write_text(str(int((group / "pids.current").read_text()) + 1))
-
-            b = Relay("b", str(tmp_path / "b" / "hub"), DigestCache(open_source(str(nas["root"]), {}), SEED), ())
-            chain = (("a", "127.0.0.1", port), ("b", "127.0.0.1", b.open("127.0.0.1", None, key, run_id)))
-            try:
-                files = [(share.dest, share.source, share.size) for share in nas["files"]]
-                head.stdin.write(json.dumps({"files": files, "chain": chain}) + "\n")
-                head.stdin.flush()
-                got = b.run(Session(0, nas["files"], chain), True)
-                head_run = json.loads(head.stdout.readline())
-            finally:
-                b.close()
+            got, head_run = b_joins(head, port, tmp_path, nas, key, run_id)
             seen = json.loads(strangers.stdout.readline())
-        head.stdin.write("close\n")
-        head.stdin.flush()
-        closed = json.loads(head.stdout.readline())
+        summary = closed(head)["refused"]
 
     assert probed == "joined, then hung up" and hit >= 1, (probed, hit)
-    total = sum(share.size for share in nas["files"])
-    assert head_run["nas_bytes"] == total and head_run["fallbacks"] == [], head_run
-    assert got["upstreams"] == ["a"] and got["peer_bytes"] == total and got["nas_bytes"] == 0, got
-    for share in nas["files"]:
-        assert sha256(tmp_path / "b" / "hub" / share.dest) == sha256(nas["root"] / share.source)
-        assert sha256(tmp_path / "a" / "hub" / share.dest) == sha256(nas["root"] / share.source)
-    [entry] = closed["refused"]
+    assert_b_got_everything_from_a(tmp_path, nas, got, head_run)
+    [entry] = summary
     assert entry["address"] == "127.0.0.1" and entry["why"].get(gate.NO_THREAD) == 1, entry
     assert entry["why"].get(gate.CROWDED_ADDRESS, 0) >= seen["ended"]["127.0.0.1"] > 0, (entry, seen)
+
+
+def test_a_relay_out_of_descriptors_lets_handshakes_go_and_keeps_listening(tmp_path, nas):
+    """Relay a in a process of its own, its descriptor limit lowered to 20 more than it holds:
+    100 slow strangers make its accept fail (EMFILE); the oldest handshakes give way and accepting
+    pauses, but never ends. With the limit back and the flood still on, b joins and gets every
+    byte from a."""
+    key, run_id = mint()
+    with head_in_its_own_process(tmp_path, nas, key, run_id) as (head, port):
+        limits = resource.prlimit(head.pid, resource.RLIMIT_NOFILE)
+        lowered = len(os.listdir(f"/proc/{head.pid}/fd")) + 20
+        resource.prlimit(head.pid, resource.RLIMIT_NOFILE, (lowered, limits[1]))
+        with started(SLOW_STRANGERS, str(port), "6", json.dumps({"127.0.0.1": 100})) as strangers:
+            assert strangers.stdout.readline().strip() == "ready"
+            time.sleep(1.5)
+            resource.prlimit(head.pid, resource.RLIMIT_NOFILE, limits)
+            got, head_run = b_joins(head, port, tmp_path, nas, key, run_id)
+            strangers.stdout.readline()
+        summary = closed(head)["refused"]
+
+    assert_b_got_everything_from_a(tmp_path, nas, got, head_run)
+    [entry] = summary
+    # Counted as handshakes that gave way for want of a descriptor: accept did run out of them.
+    assert entry["address"] == "127.0.0.1" and entry["why"].get(gate.STARVED, 0) > 0, entry

@@ -58,6 +58,7 @@ LEFT = "it left before proving the run's key"
 TOO_SLOW = f"it did not prove the run's key within {HANDSHAKE_DEADLINE:g} s"
 CROWDED_ADDRESS = f"it gave way to newer connections (over {HANDSHAKES_PER_ADDRESS} handshakes from its address)"
 CROWDED = f"it gave way to newer connections (over {HANDSHAKES} handshakes at once)"
+STARVED = "it gave way to newer connections (the relay was out of descriptors)"
 NO_THREAD = "it proved the run's key, but no thread could be started to serve it"
 
 
@@ -153,6 +154,7 @@ class Gate:
         self._pending: dict[socket.socket, _Handshake] = {}  # in accept order: oldest first
         self._by_address: dict[str, dict[socket.socket, _Handshake]] = {}
         self._paused_until = 0.0  # accepting is paused until then (monotonic); 0: it is not
+        self._starved = False  # accept has failed for want of a descriptor: logged once
         self._closing = False
         self._selector = selectors.DefaultSelector()
         self._wake_in, self._wake_out = socket.socketpair()
@@ -224,10 +226,12 @@ class Gate:
             except ConnectionAbortedError:
                 continue  # reset while it was queued
             except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM
-                log.warning("%s: the broadcast's listener cannot accept (%s); the oldest handshake gives way",
-                            self.node, exc.strerror or exc)
+                if not self._starved:
+                    log.warning("%s: the broadcast's listener cannot accept (%s); the oldest handshakes give way",
+                                self.node, exc.strerror or exc)
+                self._starved = True
                 if self._pending:
-                    self._end(next(iter(self._pending.values())), CROWDED)
+                    self._give_way(next(iter(self._pending.values())), STARVED)
                 self._paused_until = time.monotonic() + ACCEPT_PAUSE
                 self._selector.unregister(self.listener)
                 return
