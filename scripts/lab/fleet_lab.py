@@ -505,6 +505,19 @@ Subsystem sftp {sftp}
         a machine that died. Returns how many were killed."""
         return kill_all(lambda: self.pids(self.nodes[node]))
 
+    def freeze_node(self, node: str) -> list[int]:
+        """SIGSTOP every process in the node's namespace (its raylet, workers, `stage` commands,
+        sshd): a node whose kernel hangs or whose VM is paused. Ray still lists it as alive, and
+        its connections stay open (its kernel still acknowledges what arrives). Returns the pids
+        stopped; thaw_node resumes them."""
+        return stop_all(lambda: self.pids(self.nodes[node]))
+
+    def thaw_node(self, node: str) -> None:
+        """SIGCONT every process in the node's namespace."""
+        for pid in self.pids(self.nodes[node]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
     def staged_hub(self, node: str) -> Path:
         return self.root / "nodes" / node / "hub"
 
@@ -772,6 +785,31 @@ def kill_all(find) -> int:
                 killed += 1
         time.sleep(0.1)
     return killed
+
+
+def stop_all(find) -> list[int]:
+    """SIGSTOP what find() returns until every one of them is stopped (one not stopped yet may fork
+    meanwhile). Returns the pids stopped."""
+    stopped: set[int] = set()
+    for _ in range(50):
+        moving = [pid for pid in find() if pid != os.getpid() and process_state(pid) not in ("T", "Z", None)]
+        if not moving:
+            break
+        for pid in moving:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.add(pid)
+        time.sleep(0.05)
+    return sorted(stopped)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, D, T, Z, ...), None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[0]
 
 
 def teardown(run_id: str) -> None:

@@ -27,11 +27,13 @@ from typing import Callable
 from stager.base.errors import EXIT_OK, EXIT_PROBLEMS, ending
 from stager.fleet.broadcast.relay import Relay
 from stager.fleet.node import LABEL, LOCK_WAIT
+from stager.fleet.report import Progress
 
 
 class NodeAgent:
     """One node's agent for one fleet run. The broadcast calls the relay's methods through it
-    (open, run, progress, reroute, close); the driver calls `plan` and `finish`."""
+    (open, run, reroute, close); the driver calls `plan` and `finish`, and `progress` once a
+    second (liveness.Watch)."""
 
     def __init__(self, node: str, manifest_path: str, seed: int):
         from stager.base import hints
@@ -46,6 +48,13 @@ class NodeAgent:
         # The job's source is the NAS: only nodes that stage from the NAS itself take part.
         self.digests = DigestCache(self.job.source, seed)
         self.relay = Relay(node, manifest.nodes[node].hub, self.digests, self.job.never_write)
+        self.phase = "plan"
+
+    def progress(self) -> Progress:
+        """What the node holds and where its bytes come from now, in its current phase: answered
+        from counters, whatever its other calls are doing, so that an agent that does not answer
+        is one that cannot (its processes stopped, its node hung), never one that is busy."""
+        return self.relay.progress(self.phase)
 
     # ---- the node-local command, in this process -------------------------------------------------
 
@@ -61,8 +70,11 @@ class NodeAgent:
         metadata and, last, the refs are written; all is verified against the NAS's samples."""
         from stager.mirror.pipeline import mirror
 
-        return _answer(lambda: mirror(self.job, full=False, dry_run=False, wait=LOCK_WAIT, digests=self.digests),
-                       budget)
+        self.phase = "mirror"
+        answer = _answer(lambda: mirror(self.job, full=False, dry_run=False, wait=LOCK_WAIT, digests=self.digests),
+                         budget)
+        self.phase = "done"
+        return answer
 
     # ---- the broadcast's calls, to the relay ------------------------------------------------------
 
@@ -70,10 +82,8 @@ class NodeAgent:
         return self.relay.open(host, ports, key, run_id)
 
     def run(self, session, last: bool) -> dict:
+        self.phase = "broadcast"
         return self.relay.run(session, last)
-
-    def progress(self, number: int) -> int:
-        return self.relay.progress(number)
 
     def reroute(self, number: int, chain) -> None:
         self.relay.reroute(number, chain)

@@ -10,33 +10,26 @@ For `mirror` the driver also decides where each node's bytes come from (the tran
 source (`nas`), a staged peer over SFTP (`sftp`, --fan-out), or, for the files two or more
 nodes need, the broadcast (`broadcast`, the default), after which each node's own mirror finishes
 (started as soon as that node has received its part). It never knows how a byte moves:
-that is the transport's, and a transport never decides what a node needs.
+that is the transport's, and a transport never decides what a node needs. Whether a node is
+still there (its Ray node, its agent, its answers) is liveness.py's; a broadcast node whose
+agent answers nothing for liveness.SILENCE is reported `stalled` (exit 3) with what it held.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import secrets
 import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from stager.base.errors import EXIT_CANNOT_RUN, EXIT_OK, BadInput
+from stager.base.errors import BadInput
 from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
+from stager.fleet.liveness import LOOK_INTERVAL, SILENCE, Pings, Watch, gather, live_labels
 from stager.fleet.node import LABEL, LOCK_WAIT, mirror_options, node_argv, run_on_node
-from stager.fleet.report import BYTES_KEY, STATUS, Delivery, FleetReport, NodeRun, unreachable
+from stager.fleet.report import Delivery, FleetReport, NodeRun, from_answer, stalled, unreachable
 from stager.manifest import Manifest
-
-# How often a wait for the nodes' commands looks whether their Ray nodes are still alive.
-LIVENESS_INTERVAL = 2.0
-# How long a node whose agent died has to run a task of nothing before it counts as gone. Ray
-# marks a dead node only once its heartbeats have been missed long enough (30 s and more), and
-# until then a task pinned to it waits: a node killed mid-broadcast held the whole fleet run
-# that long after every other node was done.
-PING_TIMEOUT = 10.0
 
 TRANSPORTS = ("broadcast", "sftp", "nas")
 
@@ -163,18 +156,18 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
         if name not in able:
             driver.launch(name)
     # One seed for the run: every node samples the same regions, so one node's sample serves all.
-    driver.agents = start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32))
+    watch = driver.watch_agents(start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32)))
 
     def plan():
-        refs = {name: driver.agents[name].plan.remote(driver.budget()) for name in able}
-        plans = {name: driver.collect(ref, name, None) for name, ref in refs.items()}
-        return shared_files(manifest, plans)
+        refs = {driver.agents[name].plan.remote(driver.budget()): name for name in able}
+        answers = gather(driver.ray, refs, watch, driver.deadline)  # a stalled node's plan is not waited for
+        return shared_files(manifest, {name: driver.node_run(answer, name) for name, answer in answers.items()})
 
     reserve = min(300.0, 0.3 * driver.timeout)
     # Each node's closing mirror starts as soon as its relay has its last file: a slow node at the
     # chain's tail once held back every other node's refs until it was done.
     return broadcast(driver.ray, manifest, driver.agents, plan, deadline=driver.deadline - reserve, ports=ports,
-                     done=driver.finish)
+                     done=driver.finish, watch=watch)
 
 
 def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: dict | None) -> NodeRun:
@@ -226,6 +219,10 @@ def prune_options(command: str, prune: PruneOptions) -> tuple[str, ...]:
 
 @dataclass
 class Driver:
+    """Runs each node's part within the deadline and keeps what it reported: a node-local command
+    as a Ray task pinned to the node, a broadcast node's closing mirror in its agent (replaced by
+    the command as a task if the agent died). Whether a node is still there is liveness.py's."""
+
     ray: object
     manifest: Manifest
     command: str
@@ -236,33 +233,46 @@ class Driver:
     runs: dict[str, NodeRun] = field(default_factory=dict)
     agents: dict = field(default_factory=dict)  # node -> its broadcast agent (agent.py), for this run
     replaced: dict[str, str] = field(default_factory=dict)  # node -> why its agent's part fell back to a task
-    pinging: dict = field(default_factory=dict)  # ObjectRef -> (node, answer by (monotonic), why its agent died)
+    watch: Watch | None = None  # the agents' answers, while there are agents
 
     def __post_init__(self):
         self.task = self.ray.remote(num_cpus=0, max_retries=0)(run_on_node)
-        self.ping = self.ray.remote(num_cpus=0, max_retries=0)(_nothing)
+        self.pings = Pings(self.ray)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
-
-    def present(self, names: list[str]) -> list[str]:
-        """The named nodes that have a live Ray node labelled for them; the others are unreachable."""
-        labelled = self.live_labels()
-        for name in names:
-            if name not in labelled:
-                self.runs[name] = unreachable(name, f"no live Ray node is labelled {LABEL}={name}")
-        return [name for name in names if name in labelled]
 
     def budget(self) -> float:
         """The time a node's command may take: a little less than what is left, so that it can
         still say "timed out" (alive but slow) rather than be counted as silent."""
         return max(1.0, self.left() - min(5.0, 0.1 * self.timeout))
 
+    def present(self, names: list[str]) -> list[str]:
+        """The named nodes that have a live Ray node labelled for them; the others are unreachable."""
+        labelled = live_labels(self.ray)
+        for name in names:
+            if name not in labelled:
+                self.runs[name] = unreachable(name, f"no live Ray node is labelled {LABEL}={name}")
+        return [name for name in names if name in labelled]
+
+    def started(self) -> set[str]:
+        """The nodes whose command was launched, or that were found unreachable or stalled."""
+        return ({node for node, _source, _agent in self.running.values()} | self.pings.nodes() | set(self.runs)
+                | set(self.watch.stalled if self.watch else ()))
+
+    # ---- launching ------------------------------------------------------------------------------
+
     def launch(self, node: str, source: str | None = None) -> None:
         argv = node_argv(self.manifest, self.command, node, source, self.options)
         ref = self.task.options(label_selector={LABEL: node}, name=f"stage {self.command} {node}").remote(
             argv, self.budget())
         self.running[ref] = (node, source, None)
+
+    def watch_agents(self, agents: dict) -> Watch:
+        """The run's broadcast agents, one per node, asked for their progress from now on."""
+        self.agents = agents
+        self.watch = Watch(self.ray, agents)
+        return self.watch
 
     def finish(self, node: str, gone: str | None = None) -> None:
         """The node's closing mirror, in its agent (which shares the relay's NAS samples); if the
@@ -274,83 +284,124 @@ class Driver:
         self.running[agent.finish.remote(self.budget())] = (node, None, agent)
 
     def replace(self, node: str, agent, why: str) -> None:
-        """The agent died (kill -9, OOM): if its node still runs a task of nothing within
-        PING_TIMEOUT, the node-local command does the agent's part (wait_one launches it); if not,
-        the node is unreachable. Asked at once, not when the driver next collects."""
+        """The agent died (kill -9, OOM): if its node still runs a task of nothing within SILENCE,
+        the node-local command does the agent's part (wait_one launches it); if not, the node is
+        unreachable."""
         self.ray.kill(agent, no_restart=True)
-        ref = self.ping.options(label_selector={LABEL: node}, name=f"stage fleet ping {node}").remote()
-        self.pinging[ref] = (node, time.monotonic() + PING_TIMEOUT, why)
-
-    def started(self) -> set[str]:
-        """The nodes whose command was launched, or that were found unreachable."""
-        return ({node for node, _source, _agent in self.running.values()}
-                | {node for node, _by, _why in self.pinging.values()} | set(self.runs))
+        if self.watch is not None:
+            self.watch.forget(node)
+        self.pings.ask(node, why)
 
     def end_agents(self) -> None:
         """No agent outlives the run: one still running a command past the deadline is ended
-        with it (a mirror killed at any point leaves only temp files, which the next sweeps)."""
+        with it, and a stalled one when its node runs again (a mirror or relay killed at any point
+        leaves only temp files, which the next run sweeps)."""
         for agent in self.agents.values():
             self.ray.kill(agent, no_restart=True)
         self.agents.clear()
 
-    def live_labels(self) -> set[str]:
-        return {node.get("Labels", {}).get(LABEL) for node in self.ray.nodes() if node.get("Alive")}
+    # ---- collecting -----------------------------------------------------------------------------
+
+    def all_at_once(self, names: list[str]) -> dict[str, NodeRun]:
+        for node in self.present(names):
+            self.launch(node)
+        while self.wait_one():
+            pass
+        self.give_up()
+        return self.runs
 
     def wait_one(self) -> NodeRun | None:
-        """The next node to finish (or found gone), or None at the deadline."""
-        while (self.running or self.pinging) and self.left() > 0:
-            first_answer = min((by for _node, by, _why in self.pinging.values()), default=math.inf)
-            ready, _ = self.ray.wait([*self.running, *self.pinging], num_returns=1,
-                                     timeout=max(0.0, min(LIVENESS_INTERVAL, self.left(),
-                                                          first_answer - time.monotonic())))
-            if ready and ready[0] in self.pinging:
-                self.answered(ready[0])
+        """The next node to finish (or found gone or stalled), or None at the deadline."""
+        while (self.running or self.pings.asked) and self.left() > 0:
+            ready, _ = self.ray.wait([*self.running, *self.pings.asked], num_returns=1,
+                                     timeout=max(0.0, min(LOOK_INTERVAL, self.left(),
+                                                          self.pings.first_due() - time.monotonic())))
+            if ready and ready[0] in self.pings.asked:
+                self._pinged(ready[0])
                 continue
             if ready:
                 node, source, agent = self.running.pop(ready[0])
                 run = self.collect(ready[0], node, source)
-                if agent is not None and run.status == "unreachable" and node in self.live_labels():
+                if agent is not None and run.status == "unreachable" and node in live_labels(self.ray):
                     self.replace(node, agent, run.error or "")
                     continue
+                if self.watch is not None:
+                    self.watch.forget(node)
                 self.runs[node] = run
                 return run
-            silent = self.silent_node()
-            if silent is not None:
-                return silent
-            lost = self.lost_node()
-            if lost is not None:
-                return lost
+            gone = self.stalled_node() or self.silent_node() or self.lost_node()
+            if gone is not None:
+                return gone
         return None
 
-    def answered(self, ref) -> None:
-        """A ping came back: the node runs tasks, so its node-local command takes the agent's part."""
-        node, _by, why = self.pinging.pop(ref)
+    def collect(self, ref, node: str, source: str | None) -> NodeRun:
         try:
-            self.ray.get(ref, timeout=1.0)
-        except Exception:  # noqa: BLE001 - the node went while it was asked
+            answer = self.ray.get(ref, timeout=max(1.0, self.left()))
+        except self.ray.exceptions.RayError as exc:
+            answer = exc
+        return self.node_run(answer, node, source)
+
+    def node_run(self, answer, node: str, source: str | None = None) -> NodeRun:
+        """The node's run from its command's answer, or from the exception its call raised."""
+        if isinstance(answer, BaseException):
+            text = str(answer).strip()
+            return unreachable(node, f"the Ray task failed: {text.splitlines()[-1] if text else type(answer).__name__}",
+                               source)
+        return from_answer(self.command, node, answer, source, self.timeout)
+
+    def give_up(self) -> None:
+        """At the deadline: cancel what is still running (its command is killed on the node). And
+        a node found stalled before its command was started is reported so."""
+        for ref, (node, source, agent) in self.running.items():
+            self._cancel(ref, agent)
+            self.runs[node] = unreachable(node, f"no answer within {self.timeout:g}s", source)
+        self.running.clear()
+        for node, why in self.pings.drop_all():
+            self.runs[node] = unreachable(node, f"its agent died ({why}); no answer within {self.timeout:g}s")
+        for node, stall in (self.watch.stalled if self.watch else {}).items():
+            self.runs.setdefault(node, stalled(node, stall.silent, stall.last))
+
+    # ---- nodes found gone -----------------------------------------------------------------------
+
+    def _pinged(self, ref) -> None:
+        """A ping came back: if the task ran, the node's node-local command takes the agent's part."""
+        node, why, alive = self.pings.answered(ref)
+        if not alive:
             self.runs[node] = unreachable(node, f"its agent died ({why}) and its Ray node failed a task of nothing")
             return
         self.replaced[node] = f"relay failed: the node's agent died ({why})"
         self.launch(node)
 
-    def silent_node(self) -> NodeRun | None:
-        """A node whose agent died and that ran no task of nothing within PING_TIMEOUT: unreachable."""
-        for ref, (node, by, why) in list(self.pinging.items()):
-            if time.monotonic() >= by:
-                del self.pinging[ref]
-                with contextlib.suppress(Exception):
-                    self.ray.cancel(ref, force=True)
-                self.runs[node] = unreachable(node, f"its agent died ({why}) and its Ray node ran nothing within "
-                                                    f"{PING_TIMEOUT:g}s")
+    def stalled_node(self) -> NodeRun | None:
+        """A node running its closing mirror in an agent that has answered nothing for SILENCE:
+        stalled, and waited for no more (its agent is ended with the run's others)."""
+        if self.watch is None:
+            return None
+        self.watch.look()
+        for ref, (node, _source, agent) in list(self.running.items()):
+            stall = self.watch.stalled.get(node)
+            if agent is not None and stall is not None:
+                del self.running[ref]
+                self.runs[node] = stalled(node, stall.silent, stall.last)
                 return self.runs[node]
         return None
+
+    def silent_node(self) -> NodeRun | None:
+        """A node whose agent died and that ran no task of nothing within SILENCE: unreachable."""
+        overdue = self.pings.overdue()
+        if overdue is None:
+            return None
+        node, why = overdue
+        self.runs[node] = unreachable(node, f"its agent died ({why}) and its Ray node ran nothing within "
+                                            f"{SILENCE:g}s")
+        return self.runs[node]
 
     def lost_node(self) -> NodeRun | None:
         """A running node whose Ray node has left the cluster, reported unreachable and its task
         cancelled. Ray never fails a task pinned by label to a node that died: it stays pending,
         and a node killed mid-broadcast held its whole fleet run until the deadline."""
         try:
-            live = self.live_labels()
+            live = live_labels(self.ray)
         except Exception:  # noqa: BLE001 - the GCS did not answer this once: look again next interval
             return None
         for ref, (node, source, agent) in list(self.running.items()):
@@ -362,48 +413,6 @@ class Driver:
                 return self.runs[node]
         return None
 
-    def collect(self, ref, node: str, source: str | None) -> NodeRun:
-        try:
-            out = self.ray.get(ref, timeout=max(1.0, self.left()))
-        except self.ray.exceptions.RayError as exc:
-            text = str(exc).strip()
-            return unreachable(node, f"the Ray task failed: {text.splitlines()[-1] if text else type(exc).__name__}", source)
-        stderr_lines = [line for line in out["stderr"].splitlines() if line.strip()]
-        error = stderr_lines[-1][:500] if stderr_lines else None
-        if out["timed_out"]:
-            return NodeRun(node, EXIT_CANNOT_RUN, "timed out", seconds=out["seconds"], source=source, host=out["host"],
-                           error=f"killed at the fleet deadline ({self.timeout:g}s)")
-        code = out["code"]
-        if code < 0 or code > EXIT_CANNOT_RUN:
-            error = f"stage {self.command} ended with {'signal ' + str(-code) if code < 0 else 'exit ' + str(code)}"
-            code = EXIT_CANNOT_RUN
-        try:
-            report = json.loads(out["stdout"]) if out["stdout"].strip() else None
-        except ValueError:
-            report, error = None, error or "the node-local command printed something other than JSON"
-        if not isinstance(report, dict):
-            report = None
-        problems = report.get("problems") if report else None
-        names = STATUS.get(self.command, STATUS["default"])
-        return NodeRun(
-            node, code, names[code], report=report, seconds=out["seconds"],
-            source=((report or {}).get("source") or source) if self.command == "mirror" else source,
-            host=out["host"], error=error if code != EXIT_OK else None,
-            bytes=(report or {}).get(BYTES_KEY[self.command]) if self.command in BYTES_KEY else None,
-            problems=len(problems) if isinstance(problems, list) else None)
-
-    def give_up(self) -> None:
-        """At the deadline: cancel what is still running (its command is killed on the node)."""
-        for ref, (node, source, agent) in self.running.items():
-            self._cancel(ref, agent)
-            self.runs[node] = unreachable(node, f"no answer within {self.timeout:g}s", source)
-        self.running.clear()
-        for ref, (node, _by, why) in self.pinging.items():
-            with contextlib.suppress(Exception):
-                self.ray.cancel(ref, force=True)
-            self.runs[node] = unreachable(node, f"its agent died ({why}); no answer within {self.timeout:g}s")
-        self.pinging.clear()
-
     def _cancel(self, ref, agent, *, force: bool = False) -> None:
         """Stop a node's command: a task is cancelled (its command killed on the node); an agent's
         is ended with the agent (Ray cannot cancel a running call of a threaded actor)."""
@@ -411,15 +420,3 @@ class Driver:
             self.ray.cancel(ref, force=force)
         else:
             self.ray.kill(agent, no_restart=True)
-
-    def all_at_once(self, names: list[str]) -> dict[str, NodeRun]:
-        for node in self.present(names):
-            self.launch(node)
-        while self.wait_one():
-            pass
-        self.give_up()
-        return self.runs
-
-
-def _nothing() -> None:
-    """The task `Driver.replace` runs to learn whether a node still runs tasks."""

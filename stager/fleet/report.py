@@ -1,8 +1,10 @@
-"""What a fleet run found: one NodeRun per node, the FleetReport around them, and the table."""
+"""What a fleet run found: one NodeRun per node, the FleetReport around them, and the table; and
+a node's Progress as its part goes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 
 from stager.base.errors import EXIT_CANNOT_RUN, EXIT_OK
 from stager.base.units import format_size
@@ -15,6 +17,24 @@ STATUS = {
     "default": ("ok", "problems", "bad input", "cannot run"),
 }
 
+
+@dataclass(frozen=True)
+class Progress:
+    """A broadcast node's part as it goes, from its agent, asked once a second: enough for the
+    driver to tell a silent node from a slow one, for the chain's laggard rule, and for a live
+    per-node display. Bytes are data bytes the node has written and checked; a file counts once it
+    has landed under its final name (the next run keeps it; a temp file it sweeps)."""
+
+    phase: str  # "plan", "broadcast" (its relay receives or serves), "mirror" (its closing mirror), "done"
+    done_bytes: int = 0
+    total_bytes: int = 0  # of the shared files it has been handed so far
+    landed_files: int = 0
+    source: str | None = None  # where its next chunk comes from: "nas", a peer's name; None when not receiving
+    session: int | None = None  # the broadcast session it receives, or last received
+    chunks: int = 0  # chunks it holds of that session: the laggard rule counts whole chunks
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -58,12 +78,14 @@ class NodeRun:
     bytes: int | None = None
     problems: int | None = None
     delivery: Delivery | None = None  # mirror only
+    progress: Progress | None = None  # a stalled node: its last answer, what it held when it went silent
 
     def to_json(self) -> dict:
         return {"status": self.status, "exit_code": self.exit_code, "bytes": self.bytes,
                 "seconds": None if self.seconds is None else round(self.seconds, 3), "problems": self.problems,
                 "source": self.source, "host": self.host, "error": self.error,
-                **(self.delivery.to_json() if self.delivery else {}), "report": self.report}
+                **(self.delivery.to_json() if self.delivery else {}),
+                "progress": self.progress.to_json() if self.progress else None, "report": self.report}
 
 
 @dataclass(frozen=True)
@@ -107,8 +129,51 @@ class FleetReport:
                 "nodes": {run.node: run.to_json() for run in self.runs}}
 
 
+def from_answer(command: str, node: str, out: dict, source: str | None, timeout: float) -> NodeRun:
+    """The node's run from its node-local command's answer ({code, stdout (its JSON), stderr,
+    seconds, host, timed_out}: node.run_on_node's, and an agent's): its exit code and report as
+    the node-local contract has them, the last line it wrote on stderr as the error. An exit code
+    outside the contract, or a signal, is `cannot run`."""
+    stderr_lines = [line for line in out["stderr"].splitlines() if line.strip()]
+    error = stderr_lines[-1][:500] if stderr_lines else None
+    if out["timed_out"]:
+        return NodeRun(node, EXIT_CANNOT_RUN, "timed out", seconds=out["seconds"], source=source, host=out["host"],
+                       error=f"killed at the fleet deadline ({timeout:g}s)")
+    code = out["code"]
+    if code < 0 or code > EXIT_CANNOT_RUN:
+        error = f"stage {command} ended with {'signal ' + str(-code) if code < 0 else 'exit ' + str(code)}"
+        code = EXIT_CANNOT_RUN
+    try:
+        report = json.loads(out["stdout"]) if out["stdout"].strip() else None
+    except ValueError:
+        report, error = None, error or "the node-local command printed something other than JSON"
+    if not isinstance(report, dict):
+        report = None
+    problems = report.get("problems") if report else None
+    names = STATUS.get(command, STATUS["default"])
+    return NodeRun(
+        node, code, names[code], report=report, seconds=out["seconds"],
+        source=((report or {}).get("source") or source) if command == "mirror" else source,
+        host=out["host"], error=error if code != EXIT_OK else None,
+        bytes=(report or {}).get(BYTES_KEY[command]) if command in BYTES_KEY else None,
+        problems=len(problems) if isinstance(problems, list) else None)
+
+
 def unreachable(node: str, why: str, source: str | None = None) -> NodeRun:
     return NodeRun(node, EXIT_CANNOT_RUN, "unreachable", source=source, error=why)
+
+
+def stalled(node: str, silent: float, last: Progress | None) -> NodeRun:
+    """A node whose agent stopped answering (its processes stopped, its kernel hung): exit 3, as
+    an unreachable node, with what it held at its last answer. Its hub is left as a killed run
+    leaves it; its next run sweeps the temp files and keeps what landed."""
+    if last is None:
+        why = f"its agent never answered ({silent:.0f}s)"
+    else:
+        held = f"{last.landed_files} files landed, {format_size(last.done_bytes)}"
+        why = (f"its agent answered nothing for {silent:.0f}s during its {last.phase}; {held} of "
+               f"{format_size(last.total_bytes)} received")
+    return NodeRun(node, EXIT_CANNOT_RUN, "stalled", error=why, progress=last)
 
 
 

@@ -314,7 +314,7 @@ def test_a_laggard_moved_to_the_tail_no_longer_holds_back_its_downstream(tmp_pat
             ("c", (hops["a"], hops["b"], hops["c"])))]
         for thread in threads:
             thread.start()
-        while running["b"][0].progress(0) < 1 and time.monotonic() - started < 30:
+        while running["b"][0].progress("broadcast").chunks < 1 and time.monotonic() - started < 30:
             time.sleep(0.05)
         rerouted = time.monotonic()
         running["c"][0].reroute(0, (hops["a"], hops["c"], hops["b"]))

@@ -20,7 +20,7 @@ import pytest
 from fleet_lab import MARK, NS_PREFIX, leftovers, present_runs, run
 from fleet_lab_fixtures import (WIRE_OVERHEAD, FleetRun, assert_every_byte_right,  # noqa: F401
                                 broadcast_sample_allowance, fleet, lab, lab_missing, mirror, sample_allowance)
-from stager.fleet.driver import PING_TIMEOUT
+from stager.fleet.liveness import SILENCE
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "lab" / "fleet_lab.py"
 pytestmark = pytest.mark.skipif(lab_missing() is not None, reason=lab_missing() or "")
@@ -271,7 +271,63 @@ def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab, clea
     # not when Ray's heartbeats give it up.
     survivors_landed = max(landed_at(lab, n, started) for n in survivors)
     assert survivors_landed <= 1.2 * clean_broadcast.landed + 3.0, (survivors_landed, clean_broadcast.landed)
-    assert run.seconds <= clean_broadcast.run.seconds + PING_TIMEOUT + 10, (run.seconds, clean_broadcast.run.seconds)
+    assert run.seconds <= clean_broadcast.run.seconds + SILENCE + 10, (run.seconds, clean_broadcast.run.seconds)
+    assert_every_byte_right(lab, survivors)
+    again = fleet(lab, "mirror", *BROADCAST, "--ports", f"{PORTS[0]}-{PORTS[1]}")
+    assert again.code == 0, again.stderr
+    assert_every_byte_right(lab)
+
+
+class FreezeHalfWay:
+    """SIGSTOP every process of a node once it has received half the data, from a thread; `thaw`
+    (always, in a finally) stops the thread first, so no freeze can come after it."""
+
+    def __init__(self, lab, victim):
+        self.lab, self.victim = lab, victim
+        self.start = lab.counters(victim).tx_bytes  # the root-namespace end sends what the node receives
+        self.stop, self.frozen = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._freeze, daemon=True)
+        self.thread.start()
+
+    def _freeze(self) -> None:
+        while not self.stop.is_set() and self.lab.counters(self.victim).tx_bytes - self.start < self.lab.data_bytes // 2:
+            time.sleep(0.05)
+        if not self.stop.is_set():
+            self.lab.freeze_node(self.victim.name)
+            self.frozen.set()
+
+    def thaw(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.lab.thaw_node(self.victim.name)
+
+
+def test_a_node_frozen_half_way_is_reported_stalled_and_a_rerun_stages_it(lab, clean_broadcast):
+    """SIGSTOP of every process in dgx2's namespace once it has received half the data: Ray still
+    lists the node and its connections stay open, so only its silence shows. The command returns
+    within 1.2x the clean run plus SILENCE (not at its --timeout), exit 3, dgx2 `stalled` with what
+    it held; the others' bytes are right. After SIGCONT a re-run stages dgx2."""
+    nodes = list(lab.nodes)
+    victim = lab.nodes[nodes[1]]  # in the middle: dgx3 takes its chunks from it
+    freeze = FreezeHalfWay(lab, victim)
+    try:
+        run = broadcast(lab, "--timeout", "120")
+        frozen = freeze.frozen.is_set()
+        blobs = lab.staged_hub(victim.name) / "models--lab--model" / "blobs"
+        landed = sum(1 for path in blobs.iterdir() if not path.name.startswith(".")) if blobs.is_dir() else 0
+    finally:
+        freeze.thaw()
+    survivors = [n for n in nodes if n != victim.name]
+    assert frozen, "the node was not frozen during the run"
+    assert run.seconds <= 1.2 * clean_broadcast.run.seconds + SILENCE, (run.seconds, clean_broadcast.run.seconds)
+    assert run.code == 3 and run.report["exit_code"] == 3, run.stderr
+    report = run.report["nodes"]
+    assert report[victim.name]["status"] == "stalled" and report[victim.name]["exit_code"] == 3, report[victim.name]
+    assert all(report[n]["status"] == "ok" for n in survivors), report
+    # What it held at its last answer: part of its share, and no more landed files than its hub has.
+    held = report[victim.name]["progress"]
+    assert held["phase"] == "broadcast" and 0 < held["done_bytes"] < held["total_bytes"], held
+    assert held["landed_files"] <= landed, (held, landed)
     assert_every_byte_right(lab, survivors)
     again = fleet(lab, "mirror", *BROADCAST, "--ports", f"{PORTS[0]}-{PORTS[1]}")
     assert again.code == 0, again.stderr

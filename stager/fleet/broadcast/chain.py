@@ -4,7 +4,8 @@ pinned to it), one chain per session, and what each node got from where.
 The driver hands this module the agents and the sessions it decided on (which files, for which
 nodes); the chain only moves and checks bytes. Every wait is bounded: a relay that cannot start,
 dies or outlives the broadcast's share of the deadline is killed, and what it did not land is
-copied from the NAS by the node's closing `stage mirror`.
+copied from the NAS by the node's closing `stage mirror`. A node that answers nothing (the
+driver's liveness.Watch) is moved out of every other node's way, and waited for no more.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ from typing import Callable
 
 from stager.fleet.broadcast.keys import mint
 from stager.fleet.broadcast.relay import Session, Share, chunks_in
+from stager.fleet.liveness import LOOK_INTERVAL, START, Watch, gather
+from stager.fleet.report import Progress
 from stager.manifest import Manifest
 
-OPEN_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 10.0
-# How the driver spots a laggard: every WATCH_INTERVAL it asks each relay how many chunks it holds;
-# a node receiving at less than LAG_FRACTION of the best rate its upstream has shown, and
-# LAG_MIN_CHUNKS behind it, goes to the tail.
-WATCH_INTERVAL = 1.0
-PROGRESS_TIMEOUT = 2.0
+# How the driver spots a laggard: at each look (liveness.Watch, once a second) every relay says how
+# many chunks it holds; a node receiving at less than LAG_FRACTION of the best rate its upstream
+# has shown, and LAG_MIN_CHUNKS behind it, goes to the tail.
 LAG_FRACTION = 0.5
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
 # of nothing received made the node just rerouted off a laggard look like one (the lab saw it).
@@ -48,7 +48,7 @@ def bind_host(address: str) -> str:
 def broadcast(ray, manifest: Manifest, relays: dict,
               plan: Callable[[], list[tuple[tuple[str, ...], tuple[Share, ...]]]], *,
               deadline: float, ports: tuple[int, int] | None,
-              done: Callable[[str, str | None], None]) -> dict[str, dict]:
+              done: Callable[[str, str | None], None], watch: Watch) -> dict[str, dict]:
     """Open the relays of the nodes in `relays` (Ray actors pinned to them, offering the relay's
     calls), then (while they open) ask `plan` for the sessions, then run every session's chain.
     Returns per node {peer_bytes, nas_bytes, landed_files, fallbacks, bad_senders, refused,
@@ -58,7 +58,8 @@ def broadcast(ray, manifest: Manifest, relays: dict,
     `done(name, gone)` is called as soon as a node has no more to receive: its relay has let go of
     the hub's lock by then (it goes on serving its downstream from what it wrote), so the node's own
     closing mirror can run while slower nodes still receive. A node in no chain is done at once.
-    `gone` says why the node's agent is dead (Ray's word for it), None while it lives."""
+    `gone` says why the node's agent is dead (Ray's word for it), None while it lives. A node the
+    `watch` finds stalled is never done: the driver reports it stalled, and ends its agent."""
     key, run_id = mint()
     nodes = list(relays)
     stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "fallbacks": [], "bad_senders": [],
@@ -68,15 +69,19 @@ def broadcast(ray, manifest: Manifest, relays: dict,
                    for name in nodes}
         sessions = plan()
         needed = {name for members, _ in sessions for name in members}
+        opened = gather(ray, {ref: name for name, ref in opening.items()}, watch,
+                        min(deadline, time.monotonic() + START))
         listening, gone = {}, {}
-        for name, ref in opening.items():
-            try:
-                listening[name] = ray.get(ref, timeout=max(1.0, min(OPEN_TIMEOUT, deadline - time.monotonic())))
-            except Exception as exc:  # noqa: BLE001 - this node stages from the NAS instead
-                if name in needed:
-                    stats[name]["error"] = f"relay did not start: {_last_line(exc)}"
-                if isinstance(exc, ray.exceptions.RayActorError):
-                    gone[name] = _last_line(exc)
+        for name in nodes:
+            port = opened.get(name)
+            if isinstance(port, int):
+                listening[name] = port
+                continue
+            why = _last_line(port) if isinstance(port, BaseException) else f"no answer within {START:g}s"
+            if name in needed and name not in watch.stalled:  # else this node stages from the NAS instead
+                stats[name]["error"] = f"relay did not start: {why}"
+            if isinstance(port, ray.exceptions.RayActorError):
+                gone[name] = why
         chains = [tuple((name, bind_host(manifest.nodes[name].address), listening[name])
                         for name in members if name in listening) for members, _files in sessions]
         # One node left of a chain reads the NAS itself, in its mirror.
@@ -84,31 +89,45 @@ def broadcast(ray, manifest: Manifest, relays: dict,
                 if len(chain) >= 2]
         last = {name: session.number for session in runs for name, _, _ in session.chain}
         for name in nodes:
-            if name not in last:
-                _release(ray, {name: relays[name]}, stats)
+            if name not in last and name not in watch.stalled:
+                _release(ray, {name: relays[name]}, stats, watch)
                 done(name, gone.get(name))
         for session in runs:
-            _run_chain(ray, relays, session, stats, deadline, last, done, gone)
+            _run_chain(ray, relays, session, stats, deadline, last, done, gone, watch)
     finally:
-        _release(ray, relays, stats)
+        _release(ray, relays, stats, watch)
     return stats
 
 
 def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], deadline: float,
-               last: dict[str, int], done: Callable[[str, str | None], None], gone: dict[str, str]) -> None:
+               last: dict[str, int], done: Callable[[str, str | None], None], gone: dict[str, str],
+               watch: Watch) -> None:
+    # Without the nodes that stalled in an earlier session: one node left reads the NAS itself, in its mirror.
+    session = Session(session.number, session.files,
+                      tuple(hop for hop in session.chain if hop[0] not in watch.stalled))
+    if len(session.chain) < 2:
+        for name, _, _ in session.chain:
+            if last[name] == session.number:
+                done(name, gone.get(name))
+        return
     running = {relays[name].run.remote(session, last[name] == session.number): name for name, _, _ in session.chain}
-    watch = _Laggards(ray, relays, session)
+    route = _Route(relays, session)
     while running:
         ready, _ = ray.wait(list(running), num_returns=1,
-                            timeout=max(0.0, min(WATCH_INTERVAL, deadline - time.monotonic())))
+                            timeout=max(0.0, min(LOOK_INTERVAL, deadline - time.monotonic())))
+        watch.look()
+        route.around(watch.stalled, set(running.values()))
+        running = {ref: name for ref, name in running.items() if name not in watch.stalled}
         if not ready:
             if time.monotonic() >= deadline:
                 for name in running.values():
                     stats[name]["error"] = "the broadcast did not finish within its share of --timeout"
                     ray.kill(relays[name], no_restart=True)
                 return
-            watch.check(set(running.values()))
+            route.check(set(running.values()), watch)
             continue
+        if ready[0] not in running:
+            continue  # its node was just found stalled
         name = running.pop(ready[0])
         try:
             got = ray.get(ready[0])
@@ -116,6 +135,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             stats[name]["error"] = f"relay failed: {_last_line(exc)}"
             if isinstance(exc, ray.exceptions.RayActorError):
                 gone[name] = _last_line(exc)
+                watch.forget(name)
         else:
             mine = stats[name]
             for field in ("peer_bytes", "nas_bytes", "landed_files"):
@@ -124,40 +144,53 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             mine["bad_senders"] = sorted(set(mine["bad_senders"]) | set(got["bad_senders"]))
         if last[name] == session.number:
             done(name, gone.get(name))
-    for name in watch.moved:
+    for name in route.moved:
         stats[name]["moved_to_tail"] = True
 
 
-class _Laggards:
-    """A node far behind its upstream holds back every node after it: it is moved to the tail of
-    the chain, where the last node serves it from disk, and its downstream takes the chunks from
-    its upstream instead. Once per node, and never the head (it reads the NAS for everyone).
+class _Route:
+    """The chain's order as the session goes. A node far behind its upstream holds back every node
+    after it, and a node that answers nothing holds them back for good: either is moved to the tail
+    of the chain, and the node that was taking chunks from it hangs up at once and takes them from
+    its upstream instead (the relay's reroute). A laggard, once, and never the head (it reads the
+    NAS for everyone); there the last node serves it from disk. A stalled node, the head too (the
+    next node then reads the NAS), and nobody takes anything from it again.
 
-    Judged by rate, not by chunks held: a node just rerouted off a laggard starts that laggard's
-    distance behind its new upstream and keeps it while both receive at full speed. Judged by how
-    far behind alone, it was moved too, behind the laggard, and stalled there. Rates are taken over
-    the last RATE_LOOKS looks: over one, a healthy node's one whole chunk against its upstream's two
-    looked like half the rate."""
+    Laggards are judged by rate, not by chunks held: a node just rerouted off a laggard starts that
+    laggard's distance behind its new upstream and keeps it while both receive at full speed. Judged
+    by how far behind alone, it was moved too, behind the laggard, and stalled there. Rates are taken
+    over the last RATE_LOOKS looks: over one, a healthy node's one whole chunk against its
+    upstream's two looked like half the rate. Only looks every running node answered count: a node
+    that does not answer is not slow, it is the watch's to judge (liveness.SILENCE)."""
 
-    def __init__(self, ray, relays: dict, session: Session):
-        self.ray, self.relays, self.session = ray, relays, session
+    def __init__(self, relays: dict, session: Session):
+        self.relays, self.session = relays, session
         self.chain = session.chain
         self.moved: set[str] = set()
+        self.out_of_the_way: set[str] = set()  # stalled nodes already moved
         self.total = sum(chunks_in(share.size) for share in session.files)
         self.looks: list[tuple[float, dict[str, int]]] = []  # the last few looks: when, and who held what
+        self.seen = -1.0  # the time of the last look taken
         self.quiet_until = 0.0  # no judging before this (monotonic): a reroute is settling
         self.peaks: dict[str, float] = {}  # each node's best receive rate so far, chunks per second
 
-    def check(self, running: set[str]) -> None:
-        names = [name for name, _, _ in self.chain]
-        refs = {name: self.relays[name].progress.remote(self.session.number) for name in names if name in running}
-        try:
-            held = dict(zip(refs, self.ray.get(list(refs.values()), timeout=PROGRESS_TIMEOUT)))
-        except Exception:  # noqa: BLE001 - a relay that does not answer is routed around by its downstream
+    def around(self, stalled: dict, running: set[str]) -> None:
+        """Move the chain's newly stalled nodes out of everyone's way."""
+        for name in [name for name, _, _ in self.chain if name in stalled and name not in self.out_of_the_way]:
+            self.out_of_the_way.add(name)
+            self._to_tail(name, running - set(stalled), time.monotonic())
+
+    def check(self, running: set[str], watch: Watch) -> None:
+        """The laggard rule, on the latest look every running node answered."""
+        look = watch.same_look(running)
+        if look is None or look[0] <= self.seen:
             return
+        now, answers = look
+        self.seen = now
+        names = [name for name, _, _ in self.chain]
+        held = {name: self._held(answers[name]) for name in running}
         for name in names:
             held.setdefault(name, self.total)  # finished (or gone: its downstream looks elsewhere)
-        now = time.monotonic()
         settled = [look for look in self.looks if look[0] >= self.quiet_until]
         self.looks = settled[-(RATE_LOOKS - 1):] + [(now, held)]
         if len(self.looks) < RATE_LOOKS:
@@ -166,13 +199,23 @@ class _Laggards:
         rates = {name: (held[name] - before.get(name, 0)) / max(now - then, 1e-3) for name in names}
         for name, rate in rates.items():
             self.peaks[name] = max(rate, self.peaks.get(name, 0.0))
-        name = laggard(names, held, rates, self.peaks, self.moved)
+        name = laggard(names, held, rates, self.peaks, self.moved | self.out_of_the_way)
         if name is not None:
             self.moved.add(name)
-            self.quiet_until = now + REROUTE_GRACE
-            self.chain = tuple(hop for hop in self.chain if hop[0] != name) + tuple(
-                hop for hop in self.chain if hop[0] == name)
-            for other in running:
+            self._to_tail(name, running, now)
+
+    def _held(self, progress: Progress) -> int:
+        """Chunks a node held of this session at its answer: none before it started it, all once past it."""
+        if progress.session == self.session.number:
+            return progress.chunks
+        return self.total if progress.session is not None and progress.session > self.session.number else 0
+
+    def _to_tail(self, name: str, running: set[str], now: float) -> None:
+        self.quiet_until = now + REROUTE_GRACE
+        self.chain = tuple(hop for hop in self.chain if hop[0] != name) + tuple(
+            hop for hop in self.chain if hop[0] == name)
+        for other in running:
+            if other != name:
                 self.relays[other].reroute.remote(self.session.number, self.chain)
 
 
@@ -189,17 +232,14 @@ def laggard(names: list[str], held: dict[str, int], rates: dict[str, float], pea
     return None
 
 
-def _release(ray, relays: dict, stats: dict[str, dict]) -> None:
-    """Close the relays: each stops serving and lets go of the hub's lock (again, harmlessly, for
-    one that already did). A relay that is dead or does not answer is left to the driver, which
-    ends every agent when the run is over."""
-    closing = {name: relay.close.remote() for name, relay in relays.items()}
-    for name, ref in closing.items():
-        try:
-            closed = ray.get(ref, timeout=CLOSE_TIMEOUT)
+def _release(ray, relays: dict, stats: dict[str, dict], watch: Watch) -> None:
+    """Close the relays, all at once: each stops serving and lets go of the hub's lock (again,
+    harmlessly, for one that already did). A relay that is dead, stalled or does not answer within
+    CLOSE_TIMEOUT is left to the driver, which ends every agent when the run is over."""
+    closing = {relay.close.remote(): name for name, relay in relays.items() if name not in watch.stalled}
+    for name, closed in gather(ray, closing, watch, time.monotonic() + CLOSE_TIMEOUT).items():
+        if isinstance(closed, dict):
             stats[name]["refused"], stats[name]["relay_cpu_seconds"] = closed["refused"], closed["cpu_seconds"]
-        except Exception:  # noqa: BLE001 - already dead or hung
-            pass
 
 
 def _last_line(exc: BaseException) -> str:

@@ -43,6 +43,7 @@ from stager.mirror.execute import land_verified, writable_dir
 from stager.mirror.fingerprint import Digest, Reference, sampled_digest
 from stager.fleet.broadcast.gate import SOCKET_BUFFER, Gate, listen, thread_cpu
 from stager.fleet.broadcast.keys import MAC_BYTES, Refused, chunk_mac, join, mac_ok, recv_exact
+from stager.fleet.report import Progress
 from stager.base.lock import HUB_LOCK, writer_lock
 from stager.mirror.observe import DigestCache
 from stager.mirror.plan import CopyFile
@@ -172,13 +173,22 @@ class Relay:
         self.gate = Gate(self.node, listen(host, ports), key, run_id, self._start_serving)
         return self.gate.port
 
-    def progress(self, number: int) -> int:
-        """Chunks of the session this node holds so far (the driver watches for a laggard). In
-        chunks, not bytes: a chain moves whole chunks, and a file a little under a chunk left a
+    def progress(self, phase: str) -> Progress:
+        """What this node holds of the sessions it was given, and where its next chunk comes from
+        (the driver asks once a second: a silent node, a laggard, a progress display). Counters
+        read under the lock: it never waits for the receive, the disk or the NAS. The latest
+        session's chunks too: a chain moves whole chunks, and a file a little under a chunk left a
         node two files behind short of two chunks' bytes."""
         with self.cond:
-            return sum(chunks_in(held.size) if held.lost else chunks_in(held.have)
-                       for held in self.sessions.get(number, ()))
+            number = max(self.sessions, default=None)
+            files = [held for session in self.sessions.values() for held in session]
+            feed = self.feeds.get(number)
+            return Progress(phase, done_bytes=sum(held.have for held in files),
+                            total_bytes=sum(held.size for held in files),
+                            landed_files=sum(held.sample is not None for held in files),
+                            source=feed.source if feed is not None else None, session=number,
+                            chunks=sum(chunks_in(held.size) if held.lost else chunks_in(held.have)
+                                       for held in self.sessions.get(number, ())))
 
     def reroute(self, number: int, chain: tuple[tuple[str, str, int], ...]) -> None:
         """A new order for the session's chain (a laggard moved to the tail): this node takes
@@ -412,6 +422,14 @@ class _Feed:
         self.fallbacks: list[dict] = []
         self.bad_senders: list[str] = []
         self.used: list[str] = []
+
+    @property
+    def source(self) -> str | None:
+        """Where the next chunk is asked: the upstream it is connected to, "nas" when no upstream
+        is left, None while it connects to the next one."""
+        if self.conn is not None:
+            return self.upstream
+        return None if self.candidates else "nas"
 
     def fill(self, file_id: int, reader, out, hasher) -> None:
         """land_verified's fill: the file's chunks, each checked, written at its offset; then the

@@ -1,0 +1,212 @@
+"""Whether a node is still there. Three signs, each judged within a bound, so that no node holds a
+fleet run until its --timeout:
+
+- **Its Ray node left the cluster** (the machine died, its raylet was killed): Ray's node table
+  says so (`live_labels`), looked at every LOOK_INTERVAL. Ray never fails a task pinned by label
+  to a dead node; it waits for the label to come back.
+- **Its agent died** (kill -9, out of memory): the agent's calls fail at once. Whether the node
+  itself still runs anything is asked with a task of nothing (`Pings`): answered within SILENCE,
+  the node is alive; not, it is gone.
+- **It answers nothing** (its processes stopped by SIGSTOP, a hung kernel, a paused VM): Ray keeps
+  it in its node table as long as its health checks allow (30 s and more by default), and its
+  calls neither return nor fail. Every agent is asked for its progress once a LOOK_INTERVAL
+  (`Watch`), never waited on; an agent that has answered nothing for SILENCE is stalled.
+
+What is trusted: an answer, and the time it came. A slow node still answers (its progress call
+is a few counters read under its relay's lock, in a thread of its own), so silence is never
+taken for slowness: that is the laggard rule's (broadcast/chain.py), by rate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from stager.fleet.node import LABEL
+from stager.fleet.report import Progress
+
+LOOK_INTERVAL = 1.0
+# How long a node may answer nothing before it counts as gone: a task of nothing after its agent
+# died, or its agent's progress call. One bound for a death and a silence. The ping's task may
+# need a Ray worker started on the node (seconds on a loaded one); an agent's progress call is
+# answered in milliseconds, and on the lab's 2 shared cores within SLOWEST_ANSWER (docs/fleet.md).
+# A node stopped half-way once held `stage fleet mirror` until its --timeout (3,600 s), and its
+# downstream waited 15 s (the relay's STALL_TIMEOUT) before it routed around it.
+SILENCE = 10.0
+# An agent's first answer: a Ray worker starting, its imports, the manifest, an SSH session to the
+# NAS (the relays' start bound, broadcast/chain.py's OPEN_TIMEOUT, is the same).
+START = 60.0
+# Answers kept per node, by look: the laggard rule compares the nodes' answers to the same look.
+KEPT_LOOKS = 4
+
+
+def live_labels(ray) -> set[str]:
+    """The stage-node labels of the Ray nodes alive now."""
+    return {node.get("Labels", {}).get(LABEL) for node in ray.nodes() if node.get("Alive")}
+
+
+@dataclass(frozen=True)
+class Stall:
+    """An agent judged silent: how long it had answered nothing, and its last answer (what the
+    node held then), None if it never answered."""
+
+    node: str
+    silent: float
+    last: Progress | None
+
+
+class Watch:
+    """Every watched agent asked for its progress at each look (at most one a LOOK_INTERVAL),
+    every answer taken without waiting: the latest per node, the last few per look, and the
+    agents silent for SILENCE (START before a first answer), in `stalled`. A stalled agent is
+    asked nothing more; its calls still pending are left to Ray (the driver ends the agent)."""
+
+    def __init__(self, ray, agents: dict, silence: float = SILENCE, start: float = START):
+        self.ray, self.agents, self.silence, self.start = ray, dict(agents), silence, start
+        self.asking: dict = {}  # ObjectRef -> (node, look number)
+        self.looks: list[float] = []  # when each look asked (monotonic), by look number
+        self.heard: dict[str, float] = {}  # node -> its last answer, or when it was first asked
+        self.latest: dict[str, Progress] = {}
+        self.by_look: dict[str, dict[int, Progress]] = {}  # node -> look number -> its answer to it
+        self.stalled: dict[str, Stall] = {}
+
+    def forget(self, node: str) -> None:
+        """Watch the node no more: its agent died (the death has its own path), or its part is over."""
+        self.agents.pop(node, None)
+        self.asking = {ref: asked for ref, asked in self.asking.items() if asked[0] != node}
+
+    def look(self) -> list[Stall]:
+        """Take the answers that came, ask again if a LOOK_INTERVAL has passed, and return the
+        agents newly found stalled."""
+        now = time.monotonic()
+        self._take_answers(now)
+        if not self.looks or now - self.looks[-1] >= LOOK_INTERVAL:
+            self.looks.append(now)
+            waiting = {node for node, _number in self.asking.values()}
+            for node, agent in self.agents.items():
+                if node in waiting and node not in self.latest:
+                    continue  # not started yet: one call waits for it, not one per look
+                self.asking[agent.progress.remote()] = (node, len(self.looks) - 1)
+                self.heard.setdefault(node, now)
+        return self._judge(now)
+
+    def same_look(self, nodes: set[str]) -> tuple[float, dict[str, Progress]] | None:
+        """The latest look every one of `nodes` has answered: when it asked, and their answers.
+        Answers to one look were read within a moment of each other; the latest answer of each
+        could be a second apart, many chunks at link speed."""
+        for number in range(len(self.looks) - 1, max(-1, len(self.looks) - 1 - KEPT_LOOKS), -1):
+            if all(number in self.by_look.get(node, {}) for node in nodes):
+                return self.looks[number], {node: self.by_look[node][number] for node in nodes}
+        return None
+
+    def _take_answers(self, now: float) -> None:
+        if not self.asking:
+            return
+        ready, _ = self.ray.wait(list(self.asking), num_returns=len(self.asking), timeout=0)
+        for ref in ready:
+            asked = self.asking.pop(ref, None)
+            if asked is None:
+                continue  # forgotten meanwhile
+            node, number = asked
+            try:
+                answer = self.ray.get(ref)
+            except self.ray.exceptions.RayActorError:
+                self.forget(node)  # died: its other calls fail too, and the death path takes it
+                continue
+            except Exception:  # noqa: BLE001 - the agent answered, though not with its progress
+                answer = None
+            self.heard[node] = max(self.heard.get(node, now), now)
+            if isinstance(answer, Progress):
+                self.latest[node] = answer
+                kept = self.by_look.setdefault(node, {})
+                kept[number] = answer
+                for old in [n for n in kept if n <= number - KEPT_LOOKS]:
+                    del kept[old]
+
+    def _judge(self, now: float) -> list[Stall]:
+        found = []
+        for node in {node for node, _number in self.asking.values()}:
+            silent = now - self.heard[node]
+            if silent >= (self.silence if node in self.latest else self.start):
+                found.append(Stall(node, silent, self.latest.get(node)))
+        for stall in found:
+            self.stalled[stall.node] = stall
+            self.forget(stall.node)
+        return found
+
+
+def gather(ray, refs: dict, watch: Watch, until: float) -> dict[str, object]:
+    """Each node's answer to one call (`refs`: ObjectRef -> node): its value, or the exception the
+    call raised. Waits until `until` at most, and not for a node the watch finds stalled: a node
+    missing from the answers did not answer."""
+    pending, answers = dict(refs), {}
+    while pending and time.monotonic() < until:
+        ready, _ = ray.wait(list(pending), num_returns=len(pending),
+                            timeout=max(0.0, min(LOOK_INTERVAL, until - time.monotonic())))
+        for ref in ready:
+            node = pending.pop(ref)
+            try:
+                answers[node] = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the caller decides what a failed call means
+                answers[node] = exc
+        watch.look()
+        pending = {ref: node for ref, node in pending.items() if node not in watch.stalled}
+    return answers
+
+
+class Pings:
+    """Nodes whose agent died, each asked to run a task of nothing: one that does within SILENCE
+    is alive (only its agent died, and its node-local command can take the agent's part); one that
+    does not is gone. Asked at once, not when the driver next collects."""
+
+    def __init__(self, ray):
+        self.ray = ray
+        self.task = ray.remote(num_cpus=0, max_retries=0)(_nothing)
+        self.asked: dict = {}  # ObjectRef -> (node, answer by (monotonic), why its agent died)
+
+    def ask(self, node: str, why: str) -> None:
+        ref = self.task.options(label_selector={LABEL: node}, name=f"stage fleet ping {node}").remote()
+        self.asked[ref] = (node, time.monotonic() + SILENCE, why)
+
+    def nodes(self) -> set[str]:
+        return {node for node, _by, _why in self.asked.values()}
+
+    def first_due(self) -> float:
+        """When the next unanswered ping runs out (monotonic; inf with none)."""
+        return min((by for _node, by, _why in self.asked.values()), default=math.inf)
+
+    def answered(self, ref) -> tuple[str, str, bool]:
+        """A ping that came back: (node, why its agent died, whether the task ran)."""
+        node, _by, why = self.asked.pop(ref)
+        try:
+            self.ray.get(ref, timeout=1.0)
+        except Exception:  # noqa: BLE001 - the node went while it was asked
+            return node, why, False
+        return node, why, True
+
+    def overdue(self) -> tuple[str, str] | None:
+        """A node that ran nothing within SILENCE: (node, why its agent died); its ping is cancelled."""
+        for ref, (node, by, why) in list(self.asked.items()):
+            if time.monotonic() >= by:
+                self._cancel(ref)
+                return node, why
+        return None
+
+    def drop_all(self) -> list[tuple[str, str]]:
+        """At the deadline: every ping still unanswered, cancelled: [(node, why its agent died)]."""
+        dropped = [(node, why) for node, _by, why in self.asked.values()]
+        for ref in list(self.asked):
+            self._cancel(ref)
+        return dropped
+
+    def _cancel(self, ref) -> None:
+        self.asked.pop(ref, None)
+        try:
+            self.ray.cancel(ref, force=True)
+        except Exception:  # noqa: BLE001 - it may have finished meanwhile
+            pass
+
+
+def _nothing() -> None:
+    """The task `Pings` runs to learn whether a node still runs tasks."""
