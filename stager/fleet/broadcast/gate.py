@@ -39,7 +39,7 @@ HANDSHAKE_DEADLINE = 10.0
 HANDSHAKES = 256
 HANDSHAKES_PER_ADDRESS = 64
 # The kernel's queue of connections not yet accepted: a burst of strangers overflowing a short one
-# made a member's SYN wait out its retransmission (a second, then three).
+# would make a member's connect wait out a SYN retransmission (a second, then more).
 BACKLOG = 1024
 # Accepts per wake-up, so that answers and deadlines are served between bursts of a flood.
 ACCEPT_BURST = 64
