@@ -280,7 +280,7 @@ def test_human_output_ends_with_the_status_line(demo):
 def test_shipped_schedules_run_the_audit(demo, tmp_path):
     """The crontab line and the systemd pair: every 15 minutes, and their command works as written."""
     set_reserve(demo["manifest"], "4MiB")
-    scripts = REPO / "scripts"
+    scripts = REPO / "scripts" / "ops"
     [line] = [l for l in (scripts / "stage-audit.cron").read_text().splitlines() if l and l[0] in "*0123456789"]
     minute, hour, dom, month, dow, user, command = line.split(None, 6)
     assert (minute, hour, dom, month, dow, user) == ("*/15", "*", "*", "*", "*", "root")

@@ -19,7 +19,7 @@ from reliability_support import assert_hub_truthful
 from test_audit_live import holding
 from test_cli_contract import BIN, make_demo
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "ops"
 DRAFTER_BLOBS = "models--acme--Flash-drafter/blobs"
 
 
