@@ -167,10 +167,6 @@ class View:
         """The crossings directly inside `directory` (found so far: list it first)."""
         return [c for point, c in sorted(self.crossings.items()) if os.path.dirname(point) == directory]
 
-    def beyond(self, path: str) -> list[Crossing]:
-        """The crossings at, below or above `path` (above: between the root and it)."""
-        return [c for point, c in self.crossings.items() if under(point, path) or under(path, point)]
-
 
 class Tree:
     """Removal under one root, through directory descriptors opened from the root down, one

@@ -27,6 +27,7 @@ from stager.base import identity
 
 FileId = tuple[int, int]  # (st_dev, st_ino)
 SELF = "self"
+CWD, ROOT = "working directory", "root directory"
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Use:
 
     pid: int | None
     command: str
-    how: str  # open | memory-mapped | working directory | root directory | bind-mounted at P | a mount at P inside it
+    how: str  # open | memory-mapped | working directory | root directory | bind-mounted at P | a mount at P
     mount: str | None = None  # the mount point, in the holder's namespace
     shows: str | None = None  # what that mount shows (its source, as this namespace sees it)
 
@@ -52,9 +53,6 @@ class Use:
 
     def to_json(self) -> dict:
         return {"pid": self.pid, "command": self.command, "how": self.how, "mount": self.mount, "shows": self.shows}
-
-
-CWD, ROOT = "working directory", "root directory"
 
 
 def command_of(pid: int) -> str:

@@ -386,7 +386,7 @@ def scan_hub(hub: str, wanted: Wanted, listed: set[str]) -> _HubScan:
     repos = [e for e in view.listing(root) if e.is_dir and _is_repo_name(e.name)]
     snaps = {repo.path: _snapshots(repo.path, stats, view) for repo in repos}
     judged = _judge_snapshots(scan, view, [r for r in repos if r.name in listed], snaps, wanted)
-    _revision_items(scan, judged, stats)
+    _revision_items(scan, view, judged, stats)
     _unlisted_repo_items(scan, view, [r for r in repos if r.name not in listed], snaps, judged, stats)
     _mounted_repo_items(scan, view, listed)
     _repo_blobs(scan, view, repos, listed, judged)
@@ -406,10 +406,10 @@ def _judge_snapshots(scan: _HubScan, view: View, repos: list[Entry], snaps: dict
     judged = _Judged()
     for repo in repos:
         snapshots_dir = os.path.join(repo.path, "snapshots")
-        for mount in view.beyond(snapshots_dir):
-            if under(snapshots_dir, mount.point):
-                scan.kept.append(Kept(snapshots_dir, "revision", 0, f"a mount at {mount.point} (showing "
-                                      f"{mount.shows}): the repo's revisions are not judged"))
+        for point, mount in view.crossings.items():
+            if under(snapshots_dir, point):
+                scan.kept.append(Kept(snapshots_dir, "revision", 0, f"a mount at {point} (showing {mount.shows}): "
+                                      "the repo's revisions and orphan blobs are not judged"))
         commits = wanted.commits.get(repo.name)
         named = _local_refs(repo.path, view)
         for snap in snaps[repo.path]:
@@ -428,10 +428,10 @@ def _judge_snapshots(scan: _HubScan, view: View, repos: list[Entry], snaps: dict
     return judged
 
 
-def _revision_items(scan: _HubScan, judged: _Judged, stats: dict) -> None:
+def _revision_items(scan: _HubScan, view: View, judged: _Judged, stats: dict) -> None:
     """An item per unwanted snapshot: the snapshot, its trees json and .no_exist markers. Nothing
     of it may be what a kept snapshot reaches (a kept entry linking into an old snapshot's real
-    file would dangle)."""
+    file would dangle). A mount over any of them keeps the item (`touches`)."""
     for snap in judged.unwanted:
         own = {d.path for d in snap.dirs} | {f.path for f in snap.real_files}
         if any(h in judged.kept_hops for h in snap.hops if _inside(h, snap.seen.path)) or own & judged.kept_hops:
@@ -440,8 +440,9 @@ def _revision_items(scan: _HubScan, judged: _Judged, stats: dict) -> None:
             continue
         repo = snap.repo
         steps = [Step("trash", snap.seen, sum(f.size for f in snap.real_files), files=len(snap.real_files))]
-        for extra in (os.path.join(repo, ".no_exist", snap.commit), os.path.join(repo, "trees", f"{snap.commit}.json")):
-            st = _lstat(extra)
+        extras = (os.path.join(repo, ".no_exist", snap.commit), os.path.join(repo, "trees", f"{snap.commit}.json"))
+        for extra in extras:
+            st = None if _beyond(view, extra) else _lstat(extra)
             if st is None:
                 continue
             if stat.S_ISDIR(st.st_mode):
@@ -450,7 +451,7 @@ def _revision_items(scan: _HubScan, judged: _Judged, stats: dict) -> None:
                 steps.append(Step("unlink", Seen.of(extra, st), files=1 if stat.S_ISREG(st.st_mode) else 0))
         reaches = {f.id for f in snap.real_files} | {d.id for d in snap.dirs}
         reaches |= {(stats[f].st_dev, stats[f].st_ino) for f in snap.finals if stats.get(f) is not None}
-        touches = {s.target.path for s in steps} | {h for h in snap.hops if under(h, repo)}
+        touches = {snap.seen.path, *extras} | {h for h in snap.hops if under(h, repo)}
         scan.items.append(Item("revision", snap.seen.path, steps[0].bytes,
                                f"revision {snap.commit} of {os.path.basename(repo)} is not wanted and no ref names it",
                                snap.used, tuple(steps), frozenset(reaches), snap.seen.dev, repo,
