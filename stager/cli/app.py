@@ -117,8 +117,9 @@ def _stage(
     install_completion: Annotated[bool, typer.Option(
         "--install-completion", callback=completion.install, is_eager=True, expose_value=False,
         help="Install completion for the shell running stage (bash, zsh, fish)")] = False,
-    show_completion: Annotated[Optional[completion.Shell], typer.Option(
+    show_completion: Annotated[Optional[str], typer.Option(
         "--show-completion", metavar="SHELL", callback=completion.show, is_eager=True, expose_value=False,
+        autocompletion=completion.shells,
         help="Print the completion script for SHELL (bash, zsh, fish), to install it by hand")] = None,
 ) -> None:
     """Stage model weights and Engram row shards onto node-local NVMe, verified."""

@@ -10,18 +10,19 @@ requests (`_STAGE_COMPLETE` in the environment), are typer's.
 from __future__ import annotations
 
 import os
-from enum import Enum
 
 import typer
 
 PROG = "stage"
 COMPLETE_VAR = "_STAGE_COMPLETE"
+# A word, not a typer choice: a choice's conversion loads pydantic, which every command would then
+# pay for at start-up (the root's options are read on every run).
+SHELLS = ("bash", "zsh", "fish")
 
 
-class Shell(str, Enum):
-    bash = "bash"
-    zsh = "zsh"
-    fish = "fish"
+def shells() -> list[str]:
+    """What completes after --show-completion."""
+    return list(SHELLS)
 
 
 def serve_requests() -> None:
@@ -32,12 +33,14 @@ def serve_requests() -> None:
         completion_init()
 
 
-def show(ctx: typer.Context, value: Shell | None) -> None:
+def show(ctx: typer.Context, value: str | None) -> None:
     if value is None or ctx.resilient_parsing:
         return
+    if value not in SHELLS:
+        raise typer.BadParameter(f"{value!r} is not a shell stage completes: {', '.join(SHELLS)}")
     from typer.completion import get_completion_script
 
-    typer.echo(get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=Shell(value).value))
+    typer.echo(get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=value))
     raise typer.Exit()
 
 
@@ -47,7 +50,7 @@ def install(ctx: typer.Context, value: bool) -> None:
     from typer.completion import _get_shell_name, install as typer_install
 
     shell = _get_shell_name()
-    if shell not in Shell.__members__:
+    if shell not in SHELLS:
         raise typer.BadParameter(f"cannot tell which shell runs stage ({shell or 'none found'}); print the "
                                  "script with --show-completion SHELL and source it from the shell's rc file")
     shell, path = typer_install(shell=shell, prog_name=PROG, complete_var=COMPLETE_VAR)
