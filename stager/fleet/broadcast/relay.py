@@ -279,75 +279,11 @@ class Relay:
     def _start_serving(self, conn: socket.socket) -> None:
         """The gate's hand-off of a connection that proved the key: a downstream, served in a
         thread of its own (members only, so a handful per run)."""
-        threading.Thread(target=self._serve, args=(conn,), name="stage-broadcast-serve", daemon=True).start()
+        threading.Thread(target=_Downstream(self, conn).serve, name="stage-broadcast-serve", daemon=True).start()
 
     def _count_cpu(self, started: float) -> None:
         with self.cond:
             self.cpu_seconds += thread_cpu() - started
-
-    def _serve(self, conn: socket.socket) -> None:
-        started = thread_cpu()
-        try:
-            self._serve_one(conn)
-        finally:
-            self._count_cpu(started)
-
-    def _serve_one(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(HANDSHAKE_TIMEOUT)
-                number, offsets = _read_request(conn)
-                files = self._session(number)
-                if files is None or len(offsets) != len(files):
-                    return
-                conn.settimeout(SEND_TIMEOUT)
-                buffer = aligned_buffer(CHUNK)
-                for file_id, start in enumerate(offsets):
-                    if not self._send_file(conn, file_id, files[file_id], start, buffer):
-                        return
-                conn.sendall(FRAME.pack(END, 0, 0, 0, NO_MAC))
-            except (OSError, _Protocol):
-                return  # the downstream went away or spoke nonsense: it reconnects to another holder
-
-    def _session(self, number: int) -> list[_Held] | None:
-        with self.cond:
-            self.cond.wait_for(lambda: number in self.sessions or self.closed, timeout=SESSION_WAIT)
-            return self.sessions.get(number)
-
-    def _send_file(self, conn: socket.socket, file_id: int, held: _Held, offset: int, buffer) -> bool:
-        """Send the file from `offset` as this node gets it, then its sample; nothing for a file
-        the downstream already holds whole. False when this node is closing."""
-        if offset >= held.size:
-            return True
-        while offset < held.size:
-            with self.cond:
-                while held.have <= offset and not held.lost and not self.closed:
-                    self.cond.wait(1.0)
-                if self.closed:
-                    return False
-                if held.have <= offset:
-                    conn.sendall(FRAME.pack(LOST, file_id, offset, 0, NO_MAC))
-                    return True
-                mac = held.macs[offset // CHUNK]
-                fd = held.fd
-                recent = held.recent.get(offset // CHUNK)
-                if recent is not None:
-                    recent.senders += 1
-            length = min(CHUNK, held.size - offset)
-            try:
-                view = memoryview(recent.data if recent is not None else buffer)[:length]
-                if recent is None and os.preadv(fd, [view], offset) != length:
-                    raise OSError(errno.EIO, "its own copy is shorter than what it received")
-                conn.sendall(FRAME.pack(DATA, file_id, offset, length, mac))
-                conn.sendall(view)
-                view.release()
-            finally:
-                if recent is not None:
-                    with self.cond:
-                        recent.senders -= 1
-                        self._spare_if_free(recent)
-            offset += length
-        return self._send_sample(conn, file_id, held)
 
     # ---- chunk buffers --------------------------------------------------------------------------
 
@@ -382,20 +318,96 @@ class Relay:
             chunk.retired = False
             self.spare.append(chunk)
 
-    def _send_sample(self, conn: socket.socket, file_id: int, held: _Held) -> bool:
+
+class _Downstream:
+    """One downstream that proved the key, in a thread of its own: each file from where it asks,
+    as this node gets it (its recent chunks from memory, older ones read back from its copy),
+    then the file's sample. What _Feed is on the other end."""
+
+    def __init__(self, relay: Relay, conn: socket.socket):
+        self.relay = relay
+        self.conn = conn
+
+    def serve(self) -> None:
+        started = thread_cpu()
+        try:
+            with self.conn:
+                self._serve()
+        except (OSError, _Protocol):
+            pass  # the downstream went away or spoke nonsense: it reconnects to another holder
+        finally:
+            self.relay._count_cpu(started)
+
+    def _serve(self) -> None:
+        self.conn.settimeout(HANDSHAKE_TIMEOUT)
+        number, offsets = _read_request(self.conn)
+        files = self._session(number)
+        if files is None or len(offsets) != len(files):
+            return
+        self.conn.settimeout(SEND_TIMEOUT)
+        buffer = aligned_buffer(CHUNK)
+        for file_id, start in enumerate(offsets):
+            if not self._send_file(file_id, files[file_id], start, buffer):
+                return
+        self.conn.sendall(FRAME.pack(END, 0, 0, 0, NO_MAC))
+
+    def _session(self, number: int) -> list[_Held] | None:
+        relay = self.relay
+        with relay.cond:
+            relay.cond.wait_for(lambda: number in relay.sessions or relay.closed, timeout=SESSION_WAIT)
+            return relay.sessions.get(number)
+
+    def _send_file(self, file_id: int, held: _Held, offset: int, buffer) -> bool:
+        """Send the file from `offset` as this node gets it, then its sample; nothing for a file
+        the downstream already holds whole. False when this node is closing."""
+        relay, conn = self.relay, self.conn
+        if offset >= held.size:
+            return True
+        while offset < held.size:
+            with relay.cond:
+                while held.have <= offset and not held.lost and not relay.closed:
+                    relay.cond.wait(1.0)
+                if relay.closed:
+                    return False
+                if held.have <= offset:
+                    conn.sendall(FRAME.pack(LOST, file_id, offset, 0, NO_MAC))
+                    return True
+                mac = held.macs[offset // CHUNK]
+                fd = held.fd
+                recent = held.recent.get(offset // CHUNK)
+                if recent is not None:
+                    recent.senders += 1
+            length = min(CHUNK, held.size - offset)
+            try:
+                view = memoryview(recent.data if recent is not None else buffer)[:length]
+                if recent is None and os.preadv(fd, [view], offset) != length:
+                    raise OSError(errno.EIO, "its own copy is shorter than what it received")
+                conn.sendall(FRAME.pack(DATA, file_id, offset, length, mac))
+                conn.sendall(view)
+                view.release()
+            finally:
+                if recent is not None:
+                    with relay.cond:
+                        recent.senders -= 1
+                        relay._spare_if_free(recent)
+            offset += length
+        return self._send_sample(file_id, held)
+
+    def _send_sample(self, file_id: int, held: _Held) -> bool:
         """After a file's last chunk: its NAS sample once this node's own check has passed (LOST
         if it failed), so the downstream need not sample the NAS itself. False when closing."""
-        with self.cond:
-            while held.sample is None and not held.lost and not self.closed:
-                self.cond.wait(1.0)
-            if self.closed:
+        relay, conn = self.relay, self.conn
+        with relay.cond:
+            while held.sample is None and not held.lost and not relay.closed:
+                relay.cond.wait(1.0)
+            if relay.closed:
                 return False
             sample = held.sample
         if sample is None:
             conn.sendall(FRAME.pack(LOST, file_id, held.size, 0, NO_MAC))
         else:
             payload = sample.encode()
-            mac = chunk_mac(self._key, self._run_id, file_id, held.size, payload)
+            mac = chunk_mac(relay._key, relay._run_id, file_id, held.size, payload)
             conn.sendall(FRAME.pack(SAMPLE, file_id, held.size, len(payload), mac) + payload)
         return True
 
