@@ -23,6 +23,7 @@ import errno
 import os
 import stat
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from stager.base import identity
 from stager.base.errors import CannotRun
@@ -96,17 +97,14 @@ class Fence:
         return Crossing(path, "another mount or filesystem (not in this namespace's mount table)")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """A directory entry as the scan saw it (lstat: a link is never followed)."""
+class Entry(NamedTuple):
+    """A directory entry as the scan saw it (lstat: a link is never followed). A tuple, not a
+    dataclass: a scan makes one per name, 100,000 and more."""
 
     name: str
     path: str
     st: os.stat_result
-
-    @property
-    def is_dir(self) -> bool:
-        return stat.S_ISDIR(self.st.st_mode)
+    is_dir: bool
 
 
 class View:
@@ -131,19 +129,21 @@ class View:
                 self.crossings[path] = self.fence.crossing_at(path)
                 return []
             entries = []
+            prefix = path.rstrip("/") + "/"
             with os.scandir(fd) as listed:
                 for found in listed:
-                    full = os.path.join(path, found.name)
+                    full = prefix + found.name
                     if full in self.crossings:
                         continue
                     try:
                         st = found.stat(follow_symlinks=False)
                     except (FileNotFoundError, NotADirectoryError):
                         continue  # moved by a writer since the listing
-                    if stat.S_ISDIR(st.st_mode) and st.st_dev != self.fence.dev:
+                    is_dir = stat.S_ISDIR(st.st_mode)
+                    if is_dir and st.st_dev != self.fence.dev:
                         self.crossings[full] = self.fence.crossing_at(full)
                         continue
-                    entries.append(Entry(found.name, full, st))
+                    entries.append(Entry(found.name, full, st, is_dir))
         finally:
             os.close(fd)
         return sorted(entries, key=lambda e: e.name)
@@ -241,18 +241,25 @@ class Tree:
             os.close(self._fds.pop(cached))
 
 
-def _remove(fence: Fence, parent_fd: int, name: str, path: str) -> list[str]:
-    try:
-        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return []
-    if not stat.S_ISDIR(st.st_mode):
+def _remove(fence: Fence, parent_fd: int, name: str, path: str, is_dir: bool | None = None) -> list[str]:
+    """`_remove` of one name under `parent_fd`; `is_dir` is the listing's word for it (the entry's
+    type, read without a stat), None to stat it."""
+    if is_dir is None:
+        try:
+            is_dir = stat.S_ISDIR(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return []
+    if not is_dir:
         try:
             os.unlink(name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            pass
         except OSError as exc:
             if exc.errno == errno.EBUSY:
                 return [path]  # a file bound over this one: a mount point, never removed through
-            raise
+            if exc.errno != errno.EISDIR:
+                raise
+            return _remove(fence, parent_fd, name, path)  # a directory now: look again
         return []
     fd = open_dir(name, parent_fd)
     left: list[str] = []
@@ -260,9 +267,9 @@ def _remove(fence: Fence, parent_fd: int, name: str, path: str) -> list[str]:
         if not fence.holds(fd):
             return [path]
         with os.scandir(fd) as listed:
-            names = [e.name for e in listed]
-        for child in names:
-            left.extend(_remove(fence, fd, child, os.path.join(path, child)))
+            children = [(e.name, e.is_dir(follow_symlinks=False)) for e in listed]
+        for child, child_is_dir in children:
+            left.extend(_remove(fence, fd, child, os.path.join(path, child), child_is_dir))
     finally:
         os.close(fd)
     if not left:

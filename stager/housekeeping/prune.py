@@ -433,7 +433,7 @@ class _Remover:
             for index, step in enumerate(item.steps):
                 try:
                     freed += self._step(step)
-                    gone.extend(p for p in step.paths if not os.path.lexists(p))
+                    gone.extend(step.paths)
                 except _Waits as exc:
                     self.report.notes.append(f"{step.target.path}: {exc}; it goes with a later run")
                     continue

@@ -852,6 +852,8 @@ def _pinning(scan: _HubScan, chosen: list[Item], busy: list[InUse]) -> list[InUs
     """Each held item sized by what removing it beside the plan would free: its blobs and the
     payloads only it links to included (a held repo whose blobs link into the shared store is its
     payloads' size, not its links')."""
+    if not busy:
+        return busy
     planned = sum(i.bytes for i in attach(scan, chosen)[0])
     sized = []
     for held in busy:
