@@ -4,6 +4,7 @@ option), and real copies timed against the rate, the run's parallel readers shar
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,8 +21,9 @@ STAGE = [str(BIN / "stage")] if (BIN / "stage").exists() else [sys.executable, "
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
 
-def stage(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([*STAGE, *map(str, args)], capture_output=True, text=True, timeout=300)
+def stage(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*STAGE, *map(str, args)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("text, rate", [
@@ -56,11 +58,11 @@ def four_weights(tmp_path_factory) -> Path:
     return build_sized_hub(tmp_path_factory.mktemp("bw-four"), size=64 * MiB, files=4)
 
 
-def mirrored(manifest: Path, *options: str) -> dict:
+def mirrored(manifest: Path, *options: str, env: dict | None = None) -> dict:
     """A fresh node hub mirrored with `options`: the JSON report, every weight byte-checked."""
     local = manifest.parent / "nvme"
     shutil.rmtree(local, ignore_errors=True)
-    result = stage("mirror", "--node", "node1", "--json", "--manifest", manifest, *options)
+    result = stage("mirror", "--node", "node1", "--json", "--manifest", manifest, *options, env=env)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     weights = sorted((manifest.parent / "nas" / "hf" / "hub").glob("models--*/snapshots/*/*.safetensors"))
@@ -90,6 +92,19 @@ def test_parallel_copies_share_the_rate(four_weights):
     assert report["copied_files"] >= 4
     # 64 MiB of weights plus 2 MiB of samples per weight: 72 MiB at 16 MiB/s.
     assert 3.6 <= report["seconds"] <= 72 / 16 * 1.1, report["seconds"]
+
+
+def test_an_sftp_source_is_read_at_the_rate(one_weight, sshd):
+    """The NAS over SSH: what sftp-server read from the hub's files (its own log), at 16 MiB/s."""
+    nas = one_weight.parent / "nas" / "hf" / "hub"
+    manifest = one_weight.parent / "over-ssh.toml"
+    manifest.write_text(one_weight.read_text().replace(f'hub = "{nas}"', f'hub = "{sshd.url(nas)}"'))
+    before = sshd.bytes_read(nas)
+    report = mirrored(manifest, "--bwlimit", "16M", env=sshd.env)
+    read = sshd.bytes_read(nas) - before
+    assert report["source"] == sshd.url(nas) and read >= 64 * MiB
+    # The bucket's first two pieces come at once; the SSH handshake takes its time beside the rate.
+    assert 0.9 * read / (16 * MiB) <= report["seconds"] <= 1.1 * read / (16 * MiB) + 1.0, (report["seconds"], read)
 
 
 @pytest.mark.parametrize("off", ["off", "0"])

@@ -665,12 +665,25 @@ def click_app():
 
 
 def every_command() -> dict:
-    return dict(click_app().commands)
+    """Every command that runs, by its words: a group's (`fleet`) commands as `fleet mirror` ..."""
+    found = {}
+
+    def walk(group, words):
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):
+                walk(command, [*words, name])
+            else:
+                found[" ".join([*words, name])] = command
+
+    walk(click_app(), [])
+    return found
 
 
 def test_every_command_takes_quiet_and_verbose_and_none_takes_n_for_node():
-    for name, command in every_command().items():
-        usage = stage(name, "-h").stdout
+    commands = every_command()
+    assert {"mirror", "fleet mirror", "fleet prune"} <= set(commands), sorted(commands)
+    for name, command in commands.items():
+        usage = stage(*name.split(), "-h").stdout
         assert "-q, --quiet" in usage and "-v, --verbose" in usage, (name, usage)
         node = [p for p in command.params if "--node" in getattr(p, "opts", ())]
         assert all(p.opts == ["--node"] and not p.secondary_opts for p in node), (name, [p.opts for p in node])
@@ -726,7 +739,7 @@ def test_a_repeated_single_valued_option_is_exit_2_naming_it(tmp_path):
     tried = 0
     for name, command in every_command().items():
         for option in single_valued_options(command):
-            result = stage(name, option, "1", option, "1", "--json", cwd=tmp_path)
+            result = stage(*name.split(), option, "1", option, "1", "--json", cwd=tmp_path)
             lines = result.stderr.splitlines()
             assert result.returncode == 2 and len(lines) == 1, (name, option, result.stderr)
             assert lines[0].startswith("stage: error: ") and option in lines[0], (name, option, lines)
@@ -743,12 +756,14 @@ def test_a_repeated_single_valued_option_is_exit_2_naming_it(tmp_path):
 
 
 def test_help_shows_every_command_description_whole():
-    usage = stage("-h").stdout
-    assert "..." not in usage.split("Commands:")[1], usage
-    flat = " ".join(usage.split())
-    for name, command in every_command().items():
-        first = " ".join(command.help.split("\n\n")[0].split())
-        assert f"{name} {first}" in flat, (name, first, usage)
+    root = click_app()
+    for words, group in (([], root), (["fleet"], root.commands["fleet"])):
+        usage = stage(*words, "-h").stdout
+        assert "..." not in usage.split("Commands:")[1], usage
+        flat = " ".join(usage.split())
+        for name, command in group.commands.items():
+            first = " ".join(command.help.split("\n\n")[0].split())
+            assert f"{name} {first}" in flat, (words, name, first, usage)
 
 
 # ---- 10. dry runs: archive and pack-engram list everything and touch nothing --------------------------
