@@ -57,6 +57,9 @@ def fleet_mirror(
         "--bwlimit", metavar="RATE", callback=check_rate,
         help="Each node reads at most RATE from its source (the NAS, or its peer with --transport sftp), as "
              "stage mirror --bwlimit; not with the broadcast transport (docs/fleet.md)")] = None,
+    full: Annotated[bool, typer.Option(
+        "--full", help="Check every byte against its content name (SHA-256 of an LFS blob, git's SHA-1 of a small "
+                       "file), hashed once, by the node that reads it from the NAS")] = False,
     allow_unauthenticated_cluster: AllowOpenOpt = False,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
@@ -65,7 +68,7 @@ def fleet_mirror(
 ) -> None:
     """Stage every node (stage mirror on each); bytes two or more nodes need leave the NAS once."""
     _run("mirror", nodes, timeout, allow_unauthenticated_cluster, json, manifest, transport=transport,
-         fan_out=fan_out, ports=ports, bwlimit=bwlimit)
+         fan_out=fan_out, ports=ports, bwlimit=bwlimit, full=full)
 
 
 @fleet_app.command("verify")

@@ -35,7 +35,7 @@ class NodeAgent:
     (open, run, reroute, close); the driver calls `plan` and `finish`, and `progress` once a
     second (liveness.Watch)."""
 
-    def __init__(self, node: str, manifest_path: str, seed: int):
+    def __init__(self, node: str, manifest_path: str, seed: int, full: bool = False):
         from stager.base import hints
         from stager.mirror import pipeline as mirror
         from stager.manifest import load_manifest
@@ -47,7 +47,8 @@ class NodeAgent:
         self.job = mirror.node_job(manifest, node, None, jobs=mirror.default_jobs(), seed=seed)
         # The job's source is the NAS: only nodes that stage from the NAS itself take part.
         self.digests = DigestCache(self.job.source, seed)
-        self.relay = Relay(node, manifest.nodes[node].hub, self.digests, self.job.never_write)
+        self.full = full  # stage fleet mirror --full: the plan, the relay and the closing mirror alike
+        self.relay = Relay(node, manifest.nodes[node].hub, self.digests, self.job.never_write, full)
         self.phase = "plan"
 
     def progress(self) -> Progress:
@@ -62,7 +63,7 @@ class NodeAgent:
         """`stage mirror --dry-run`: what this node would copy, and why."""
         from stager.mirror.pipeline import mirror
 
-        return _answer(lambda: mirror(self.job, full=False, dry_run=True, digests=self.digests), budget)
+        return _answer(lambda: mirror(self.job, full=self.full, dry_run=True, digests=self.digests), budget)
 
     def finish(self, budget: float) -> dict:
         """The closing `stage mirror`, once the relay has let go of the hub's lock: what the
@@ -71,8 +72,8 @@ class NodeAgent:
         from stager.mirror.pipeline import mirror
 
         self.phase = "mirror"
-        answer = _answer(lambda: mirror(self.job, full=False, dry_run=False, wait=LOCK_WAIT, digests=self.digests),
-                         budget)
+        answer = _answer(lambda: mirror(self.job, full=self.full, dry_run=False, wait=LOCK_WAIT,
+                                        digests=self.digests), budget)
         self.phase = "done"
         return answer
 
@@ -92,12 +93,12 @@ class NodeAgent:
         return self.relay.close()
 
 
-def start_agents(ray, manifest_path: str, names: list[str], seed: int) -> dict:
+def start_agents(ray, manifest_path: str, names: list[str], seed: int, full: bool = False) -> dict:
     """An agent on each named node, pinned by its label. Creation returns at once; an agent that
     cannot start shows when it is first called."""
     actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=32)(NodeAgent)
     return {name: actor.options(label_selector={LABEL: name}, name=f"stage fleet agent {name}").remote(
-        name, manifest_path, seed) for name in names}
+        name, manifest_path, seed, full) for name in names}
 
 
 def _answer(command: Callable, budget: float) -> dict:

@@ -83,7 +83,7 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
 
             runs = stage_by_tree(driver, names)
         elif transport == "broadcast":
-            driver.options = ("--wait", f"{LOCK_WAIT:g}")
+            driver.options = ("--wait", f"{LOCK_WAIT:g}", *options)
             delivered = broadcast_shared(driver, names, port_range)
             runs = driver.all_at_once([name for name in names if name not in driver.started()])
             for name, why in driver.replaced.items():
@@ -156,7 +156,8 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
         if name not in able:
             driver.launch(name)
     # One seed for the run: every node samples the same regions, so one node's sample serves all.
-    watch = driver.watch_agents(start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32)))
+    watch = driver.watch_agents(start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32),
+                                             full="--full" in driver.options))
 
     def plan():
         refs = {driver.agents[name].plan.remote(driver.budget()): name for name in able}
@@ -188,9 +189,12 @@ def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: d
 
 def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:
     """`--full` and `--subset N/T` for each node's `stage verify`, checked once here so a typo is
-    one exit 2 rather than one per node."""
+    one exit 2 rather than one per node; and `--full` for each node's `stage mirror` (every byte
+    checked against its content name; the broadcast's agents take it from these options too)."""
     if not full and subset is None:
         return ()
+    if command == "mirror" and subset is None:
+        return ("--full",)
     if command != "verify":
         raise BadInput(f"--full and --subset apply to `stage fleet verify` only, not {command}")
     from stager.mirror.verify import Subset

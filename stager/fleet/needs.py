@@ -12,7 +12,7 @@ keeps it) and so neither receives it nor makes the others wait for it.
 
 from __future__ import annotations
 
-from stager.mirror.fingerprint import HEAD_BYTES, INTERIOR_BYTES, INTERIOR_CHUNKS, TAIL_BYTES
+from stager.mirror.fingerprint import HEAD_BYTES, INTERIOR_BYTES, INTERIOR_CHUNKS, TAIL_BYTES, Reference
 from stager.fleet.broadcast.relay import Share
 from stager.fleet.report import NodeRun
 from stager.manifest import Manifest
@@ -20,6 +20,8 @@ from stager.manifest import Manifest
 # A file no larger than the regions a sampled check reads is read whole from the NAS by every
 # node's own check anyway: sending it down a chain would save no NAS byte and cost a round trip.
 SAMPLED_WHOLE = HEAD_BYTES + INTERIOR_CHUNKS * INTERIOR_BYTES + TAIL_BYTES
+# A file whose plan names no reference: its own bytes, hashed as they are read.
+UNNAMED = {"method": "blake3", "value": None, "origin": "source copy"}
 
 
 def shared_files(manifest: Manifest, plans: dict[str, NodeRun]) -> list[tuple[tuple[str, ...], tuple[Share, ...]]]:
@@ -27,14 +29,17 @@ def shared_files(manifest: Manifest, plans: dict[str, NodeRun]) -> list[tuple[tu
     Only nodes that stage from the NAS itself and have an address take part: a node with a
     `source` of its own keeps it."""
     wanted: dict[tuple[str, str, int], list[str]] = {}
+    references: dict[tuple[str, str, int], Reference] = {}  # what --full checks each file against
     for name, run in plans.items():
         report = run.report or {}
         if run.exit_code > 1 or report.get("source") != manifest.nas.hub or not manifest.nodes[name].address:
             continue
         for item in report.get("would_copy") or []:
-            wanted.setdefault((item["path"], item["source"], int(item["bytes"])), []).append(name)
+            identity = (item["path"], item["source"], int(item["bytes"]))
+            wanted.setdefault(identity, []).append(name)
+            references.setdefault(identity, Reference(**item.get("reference", UNNAMED)))
     groups: dict[tuple[str, ...], list[Share]] = {}
-    for (dest, source, size), members in sorted(wanted.items()):
-        if len(members) >= 2 and size > SAMPLED_WHOLE:
-            groups.setdefault(tuple(members), []).append(Share(dest, source, size))
+    for identity, members in sorted(wanted.items()):
+        if len(members) >= 2 and identity[2] > SAMPLED_WHOLE:
+            groups.setdefault(tuple(members), []).append(Share(*identity, references[identity]))
     return [(members, tuple(files)) for members, files in groups.items()]

@@ -322,6 +322,11 @@ def _copy_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, 
 Fill = Callable[[object, AtomicFile, object], None]
 
 
+def _nas_file_bad(copy: CopyFile, got: Digest) -> str:
+    return (f"the NAS copy does not match its {copy.reference.origin} ({got.method}: {got.value} != "
+            f"{copy.reference.value}): {NAS_FILE_BAD}")
+
+
 def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, full: bool, fill: Fill,
                   batch: SyncBatch | None = None, vouched: Callable[[], Digest | None] | None = None) -> None:
     """Put one file's bytes into a temp file beside its final name with `fill(reader, out, hasher)`
@@ -334,14 +339,24 @@ def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, f
     reference; the default re-reads the sampled regions of the temp file against the source.
     Raises OSError (SourceChanged among them) or a mismatch; the temp file is then discarded.
 
-    `vouched` (the broadcast's, default mode only) gives, once the file is filled, the sample of
-    the source taken by the node that read these very bytes from it, with this run's seed, after
-    that node's own check passed (its key proves who sent it); or None. With it, the temp file
-    is checked against that sample and the source is not read again: every node of a chain
-    sampling the NAS twice cost more NAS bytes than the data, on shards of a few MiB. A fill
-    that passes `vouched` samples the source itself before its first read of it, if it reads
-    it at all; the check after the fill is then the usual one.
+    `vouched` (the broadcast's) gives, once the file is filled, what the node that read these
+    very bytes from the source found them to be, after that node's own check (its key proves who
+    sent it); or None. By default that is its sample of the source, with this run's seed: the
+    temp file is checked against it and the source is not read again (every node of a chain
+    sampling the NAS twice cost more NAS bytes than the data, on shards of a few MiB). With
+    --full it is that node's hash of every byte it read, and stands for this copy's own (the
+    chunk keys tie these bytes to that read): one hash on one node checks every node's copy
+    against the reference. A fill that passes `vouched` samples the source itself before its
+    first read of it, if it reads it at all, and with --full feeds `hasher` every byte; the
+    check after the fill is then the usual one.
+
+    With --full the source's hash is kept in `cache` once known: a source found not to match its
+    reference in this run (here, or by the node that vouched) is refused again without a read.
     """
+    if full and copy.reference.value is not None:
+        known = cache.known(copy.source, copy.reference.method)
+        if known is not None and known.value != copy.reference.value:
+            raise _Mismatch(_nas_file_bad(copy, known))
     dest = inside(local_hub, copy.dest)
     # A small file is copied in the kernel from the pages its sample just read (copier.py): no
     # O_DIRECT descriptor and read-ahead advice to set up for it, three syscalls a file.
@@ -351,7 +366,6 @@ def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, f
             raise _Mismatch(f"source size changed from {copy.size} to {reader.size} since the walk")
         before = reader.state()
         hasher = new_hasher(copy.reference.method, copy.size) if full else None
-        vouch: Digest | None = None
         if not full and vouched is None:
             # Sampled through the reader the copy uses, before the copy: the copy then finds the
             # sampled pages cached, where a second uncached open read a small file twice from the NAS.
@@ -359,16 +373,13 @@ def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, f
         with atomic_file(dest, size_hint=copy.size, mtime_ns=copy.mtime_ns, sync_dir=False, batch=batch,
                          chmod=store_modes.file_mode(local_hub, copy.dest)) as out:
             fill(reader, out, hasher)
+            vouch = vouched() if vouched is not None else None
             if full:
-                got = Digest(copy.reference.method, copy.size, hasher.hexdigest())
-                if copy.reference.value is None:
-                    cache.remember(copy.source, got)  # the source's own hash, read once
-                    expected = got
-                else:
-                    expected = Digest(copy.reference.method, copy.size, copy.reference.value)
+                got = vouch or Digest(copy.reference.method, copy.size, hasher.hexdigest())
+                expected = got if copy.reference.value is None else Digest(copy.reference.method, copy.size,
+                                                                            copy.reference.value)
             else:
                 got = sampled_digest(out, cache.seed)
-                vouch = vouched() if vouched is not None else None
                 if vouch is not None:
                     cache.remember(copy.source, vouch)
                 expected = vouch or cache.sampled(copy.source)
@@ -376,12 +387,12 @@ def land_verified(copy: CopyFile, source, local_hub: Path, cache: DigestCache, f
                 # A vouched file was checked so by the node that read it from the source.
                 # The sample of the copy is read once: the default mode already took it as `got`.
                 _unchanged_during_copy(reader, before, sampled_digest(out, cache.seed) if full else got, cache.seed)
+            if full:
+                cache.remember(copy.source, got)  # the source's own hash, read once in this run
             if judge(got, expected) is not Verdict.MATCH and full and copy.reference.value is not None:
                 # The bytes just read from the NAS, unchanged during the read, are not what their
                 # own name (or the trees listing) says: no copy of them can be right.
-                raise _Mismatch(
-                    f"the NAS copy does not match its {copy.reference.origin} ({got.method}: {got.value} != "
-                    f"{expected.value}): {NAS_FILE_BAD}")
+                raise _Mismatch(_nas_file_bad(copy, got))
             if judge(got, expected) is not Verdict.MATCH:
                 raise _Mismatch(f"copied bytes do not match the source sample ({got.method}: {got.value} != "
                                 f"{expected.value})")

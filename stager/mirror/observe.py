@@ -61,6 +61,11 @@ class DigestCache:
         self.remember(rel, digest)
         return digest
 
+    def known(self, rel: str, method: str) -> Digest | None:
+        """The source's digest by `method` if this run has it already; never reads."""
+        with self._lock:
+            return self._digests.get((rel, method))
+
     def remember(self, rel: str, digest: Digest) -> None:
         if digest.value is not None:
             with self._lock:
@@ -131,7 +136,12 @@ def observe(source: Source, local_hub: Path, snapshots: list[RepoSnapshot], cach
             # Reached through a directory link or mount into the NAS: the NAS's own file, never kept.
             return dest, LocalState("remote")
         if state.kind == "file" and state.size == entry.size:
-            mine = local_digest(local_hub / dest, reference, cache.seed, full, progress)
+            # A file this run has just landed and checked (a fleet node's relay, in the same
+            # process) is not read again: with --full that was a second hash of every byte.
+            written = cache.written(local_hub / dest, reference.method if full else f"sampled:{cache.seed}")
+            if written is not None and progress:
+                progress(entry.size)
+            mine = written or local_digest(local_hub / dest, reference, cache.seed, full, progress)
             theirs = expected_digest(cache, entry.final, reference, full)
             state = LocalState("file", state.size, state.inode, verdict=judge(mine, theirs))
         elif progress:

@@ -8,7 +8,7 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -62,7 +62,8 @@ class MirrorReport:
     bytes_needed: int = 0
     source: str = ""
     verify: VerifyReport | None = None
-    would_copy: list[dict] = field(default_factory=list)  # --dry-run: {path, source, bytes, reason, name, blob} per copy
+    # --dry-run: {path, source, bytes, reason, name, blob, reference: {method, value, origin}} per copy
+    would_copy: list[dict] = field(default_factory=list)
     pending: list[Pending] = field(default_factory=list)  # NAS revisions still downloading; the node stays put
 
     def to_json(self) -> dict:
@@ -245,7 +246,7 @@ def _summarize(report: MirrorReport, plan: Plan, snapshots: list[RepoSnapshot], 
         report.copied_files = len(plan.copies)
         report.copied_bytes = plan.bytes_to_copy
         report.would_copy = [{"path": c.dest, "source": c.source, "bytes": c.size, "reason": c.reason,
-                              "name": c.name, "blob": c.blob} for c in plan.copies]
+                              "name": c.name, "blob": c.blob, "reference": asdict(c.reference)} for c in plan.copies]
     report.seconds = time.monotonic() - started
     return report
 

@@ -26,7 +26,7 @@ MiB = 1024 * 1024
 COMMON = {"--nodes", "--timeout", "--allow-unauthenticated-cluster", "--json", "-m", "--manifest", "-q", "--quiet",
           "-v", "--verbose", "-h", "--help"}
 OWN = {
-    "mirror": {"--transport", "--fan-out", "--ports", "--bwlimit"},
+    "mirror": {"--transport", "--fan-out", "--ports", "--bwlimit", "--full"},
     "verify": {"--full", "--subset"},
     "pack-engram": set(),
     "audit": set(),

@@ -509,6 +509,70 @@ def test_a_relay_killed_mid_run_is_routed_around_and_a_rerun_converges(cluster, 
     verify_full(manifest, "dgx2")
 
 
+@contextmanager
+def byte_flipped(path: Path, offset: int):
+    """`path` with the byte at `offset` flipped (a NAS file that no longer matches its name, its
+    size unchanged), restored after, with its mtime."""
+    st = path.stat()
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        original = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([original[0] ^ 0x40]))
+    try:
+        yield
+    finally:
+        with open(path, "r+b") as handle:
+            handle.seek(offset)
+            handle.write(original)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_full_refuses_a_nas_file_that_fails_its_name_on_every_node_and_stages_the_rest(cluster, staged, nas, sshd,
+                                                                                        tmp_path):
+    """One shard's NAS bytes differ from its name in the middle of the file (the default mirror's
+    samples of the NAS match the copy, so it stages the file as it is). `stage fleet mirror --full`
+    broadcasts, its head hashes every byte it reads, finds it is not the file's name and says so
+    down the chain: the file is refused on every node (exit 1, the file named), read from the NAS
+    once, and every other file is staged right."""
+    import json
+
+    flash = nas["snaps"][FLASH]
+    name = "model-00001-of-00002.safetensors"
+    blob = (flash.dir / name).resolve()
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
+    with byte_flipped(blob, blob.stat().st_size // 2):
+        before = sshd.bytes_read(nas["hub"])
+        result, _ = fleet("mirror", "--full", "--json", "--timeout", "120", "--manifest", manifest)
+        read = sshd.bytes_read(nas["hub"]) - before
+        assert result.code == 1, result.stderr + result.stdout
+        report = json.loads(result.stdout)
+        assert report["transport"] == "broadcast" and report["exit_code"] == 1
+        for node in NODES:
+            run = report["nodes"][node]
+            hub = tmp_path / node / "hub"
+            bad = [p for p in run["report"]["problems"] if "does not match its blob name" in p["detail"]]
+            assert [p["path"] for p in bad] == [staged["nas_url"] + str(blob)[len(str(nas["hub"])):]], run
+            assert "download it again on the NAS" in bad[0]["detail"]
+            assert not (hub / flash.dir.relative_to(nas["hub"]) / name).exists(), node
+            for repo, snap in nas["snaps"].items():
+                for rel, digest in snap.sha256.items():
+                    if (repo, rel) != (FLASH, name):
+                        assert sha256_file(hub / snap.dir.relative_to(nas["hub"]) / rel) == digest, (node, rel)
+            refused = [f for f in run["fallbacks"] if f["path"] and f["path"].endswith(blob.name)]
+            assert refused and "does not match its blob name" in refused[0]["why"], run["fallbacks"]
+        # The other shard went down the chain: dgx2 and dgx3 took their bytes from peers.
+        assert all(report["nodes"][node]["peer_bytes"] > 0 for node in ("dgx2", "dgx3")), report["nodes"]
+        # The bad shard left the NAS once, for the head: the others refused it on its word.
+        assert read < staged["nas_bytes"] / 3 + 2 * blob.stat().st_size, read
+        # Without --full the same NAS file is staged as it is: its samples match the NAS's.
+        plain, _ = fleet("mirror", "--json", "--timeout", "120", "--manifest", manifest)
+        assert plain.code == 0, plain.stderr
+        for node in NODES:
+            staged_blob = tmp_path / node / "hub" / flash.dir.relative_to(nas["hub"]) / name
+            assert sha256_file(staged_blob) == sha256_file(blob) != flash.sha256[name]
+
+
 def descendants(root_pid: int) -> set[int]:
     """root_pid's descendants (from /proc), not root_pid itself."""
     parents = {}
@@ -758,8 +822,8 @@ def test_misuse_is_bad_input(nas, sshd, tmp_path):
     assert result.code == 2 and "No such option: --fan-out" in result.stderr
     result, _ = fleet("verify", "--nodes", "dgx1,nope", "--manifest", manifest)
     assert result.code == 2 and "nodes.nope: no such node" in result.stderr
-    result, _ = fleet("mirror", "--full", "--manifest", manifest)
-    assert result.code == 2 and "No such option: --full" in result.stderr
+    result, _ = fleet("mirror", "--subset", "1/2", "--manifest", manifest)
+    assert result.code == 2 and "No such option: --subset" in result.stderr
     result, _ = fleet("verify", "--subset", "3", "--manifest", manifest)
     assert result.code == 2 and "--subset expects N/T such as 3/7, got '3'" in result.stderr
     result, _ = fleet("mirror", "--until-free", "1GiB", "--manifest", manifest)

@@ -73,8 +73,10 @@ SEND_TIMEOUT = 60.0
 # with these.
 RECENT_CHUNKS = 8
 
-# SAMPLE follows a file's last chunk: the sample of the NAS file the node that read it took, once
-# its own check passed, keyed like a chunk at offset = the file's size. LOST there: no sample.
+# SAMPLE follows a file's last chunk: what the node that read the file from the NAS found it to
+# be, keyed like a chunk at offset = the file's size: its sample of the NAS file once its own check
+# passed; with --full its hash of every byte it read, whether or not that is the file's name (a
+# file refused on its head is then refused downstream without a hash). LOST there: nothing.
 DATA, LOST, END, SAMPLE = 1, 2, 3, 4
 FRAME = struct.Struct("<BIQI32s")  # kind, file id, offset, length, the head's chunk key
 SAMPLE_LIMIT = 256  # bytes: a sample's value is a 32-character hex digest
@@ -89,6 +91,8 @@ class Share:
     dest: str
     source: str
     size: int
+    # What its bytes must hash to with --full (its blob name, the trees listing), from the plan.
+    reference: Reference = Reference("blake3", None, "source copy")
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ class _Held:
         self.recent: dict[int, _Chunk] = {}  # chunk number -> its bytes, for the last few written
         self.lost = False  # this node will not get the rest: downstream nodes look elsewhere
         self.sample: str | None = None  # the NAS file's sample, once this node's copy passed its check
+        self.refusal: str | None = None  # --full: the NAS bytes' hash, which is not the file's name
 
 
 class _Chunk:
@@ -136,13 +141,18 @@ class Relay:
 
     `digests` reads the NAS and keeps what was sampled of it, with the run's one seed (every node
     samples the same regions, so one node's sample of a file serves all): the node's closing
-    mirror, in the same process, checks against the samples the landing checks used."""
+    mirror, in the same process, checks against the samples the landing checks used.
 
-    def __init__(self, node: str, hub: str, digests: DigestCache, never_write: tuple[str, ...]):
+    `full` (stage fleet mirror --full, the same for every relay of a run): every file is checked
+    against its reference (Share.reference) by the node that reads it from the NAS, as it reads,
+    and the others take that node's hash with the chunks' keys (_Feed.fill)."""
+
+    def __init__(self, node: str, hub: str, digests: DigestCache, never_write: tuple[str, ...], full: bool = False):
         self.node = node
         self.hub = Path(hub)
         self.digests = digests
         self.never_write = tuple(never_write)
+        self.full = full
         self.cond = threading.Condition()
         self.sessions: dict[int, list[_Held]] = {}
         self.routes: dict[int, tuple] = {}  # session -> the chain as last rerouted by the driver
@@ -264,14 +274,24 @@ class Relay:
         if meta is None or meta.kind != "file" or meta.size != share.size:
             raise SourceChanged(errno.EIO, "the NAS file changed since the plan")
         writable_dir(self.hub, posixpath.dirname(share.dest), self.never_write)
-        # The reference is unused: a fleet mirror checks by samples against the NAS.
-        copy = CopyFile(share.dest, share.source, share.size, meta.mtime_ns, Reference("blake3", None, "source copy"),
-                        "broadcast")
-        land_verified(copy, nas, self.hub, cache, False,
-                      lambda reader, out, hasher: feed.fill(file_id, reader, out, hasher),
-                      vouched=lambda: feed.vouched.get(file_id))
+        # The reference counts with --full only: by default a fleet mirror checks by samples against the NAS.
+        copy = CopyFile(share.dest, share.source, share.size, meta.mtime_ns, share.reference, "broadcast")
+        full = self.full
+        try:
+            land_verified(copy, nas, self.hub, cache, full,
+                          lambda reader, out, hasher: feed.fill(file_id, reader, out, hasher),
+                          vouched=lambda: feed.vouched.get(file_id))
+        except Exception:
+            # The NAS's bytes hash to something other than the file's name: every node downstream
+            # is told so, and refuses the file without hashing it or reading the NAS.
+            refusal = cache.known(share.source, share.reference.method) if full and share.reference.value else None
+            if refusal is not None and refusal.value != share.reference.value:
+                with self.cond:
+                    feed.files[file_id].refusal = refusal.value
+            raise
+        verdict = cache.known(share.source, share.reference.method) if full else cache.sampled(share.source)
         with self.cond:
-            feed.files[file_id].sample = cache.sampled(share.source).value
+            feed.files[file_id].sample = verdict.value
             self.cond.notify_all()
 
     # ---- serving --------------------------------------------------------------------------------
@@ -402,7 +422,7 @@ class _Downstream:
                 relay.cond.wait(1.0)
             if relay.closed:
                 return False
-            sample = held.sample
+            sample = held.sample if held.sample is not None else held.refusal
         if sample is None:
             conn.sendall(FRAME.pack(LOST, file_id, held.size, 0, NO_MAC))
         else:
@@ -445,13 +465,18 @@ class _Feed:
 
     def fill(self, file_id: int, reader, out, hasher) -> None:
         """land_verified's fill: the file's chunks, each checked, written at its offset; then the
-        frame the sender puts after a file's last chunk: the sample it vouches for, taken up if
-        every chunk came from peers (else this node sampled the NAS itself)."""
+        frame the sender puts after a file's last chunk: the sample (--full: the hash) it vouches
+        for, taken up if every chunk came from peers (else this node sampled the NAS itself).
+
+        With --full (a `hasher`) only a node reading the file from the NAS from its first byte on
+        hashes as it reads; a node whose chunks came from peers relies on its sender's hash, and
+        hashes its own copy only without one (a file read partly from the NAS, a lost sender)."""
         relay, held = self.relay, self.files[file_id]
         held.fd = os.open(f"/proc/self/fd/{out.fd}", os.O_RDONLY | os.O_CLOEXEC)
         writer = DirectWriter(out.fd)
         from_nas = False
         last_from_peer = False
+        hashed = 0  # bytes fed to `hasher`, in order from the first: this node's own reads of the NAS
         try:
             while held.have < held.size:
                 offset = held.have
@@ -459,10 +484,10 @@ class _Feed:
                 view = memoryview(chunk.data)[:min(CHUNK, held.size - offset)]
                 mac = self._from_peers(file_id, offset, view)
                 if mac is None:
-                    if not from_nas:
+                    if not from_nas and hasher is None:
                         # Before the first byte read from the NAS, as a copy from the NAS samples it.
                         self.cache.remember(self.session.files[file_id].source, sampled_digest(reader, self.cache.seed))
-                        from_nas = True
+                    from_nas = True
                     if reader.readinto_at(view, offset) != len(view):
                         raise SourceChanged(errno.EIO, f"the NAS file ended before {held.size} bytes")
                     mac = chunk_mac(relay._key, relay._run_id, file_id, offset, view)
@@ -472,8 +497,9 @@ class _Feed:
                     self.peer_bytes += len(view)
                     last_from_peer = True
                 writer.write(view, offset)
-                if hasher is not None:
+                if hasher is not None and hashed == offset and not last_from_peer:
                     hasher.update(view)
+                    hashed += len(view)
                 length = len(view)
                 view.release()
                 with relay.cond:
@@ -486,6 +512,8 @@ class _Feed:
                 # from the NAS and the rest from a peer (rerouted onto it) once read this frame
                 # as the next file's first chunk and named a healthy peer.
                 self._take_sample(file_id, held.size, vouched=not from_nas)
+            if hasher is not None and hashed < held.size and file_id not in self.vouched:
+                _hash_copy(held.fd, hasher, hashed, held.size)
         except BaseException:
             self.close()  # what the upstream still sends for this file is of no use now
             raise
@@ -514,7 +542,8 @@ class _Feed:
             self._drop()
             return
         if vouched:
-            self.vouched[file_id] = Digest(f"sampled:{self.cache.seed}", size, payload.decode("ascii", "replace"))
+            method = self.session.files[file_id].reference.method if self.relay.full else f"sampled:{self.cache.seed}"
+            self.vouched[file_id] = Digest(method, size, payload.decode("ascii", "replace"))
 
     def _from_peers(self, file_id: int, offset: int, view: memoryview) -> bytes | None:
         """The chunk at `offset` into `view` from an upstream, checked; its key. None: read it
@@ -657,6 +686,18 @@ def _read_request(conn: socket.socket) -> tuple[int, list[int]]:
         raise _Protocol("an oversized request")
     recv_exact(conn, name_length)
     return number, list(struct.unpack(f"<{count}Q", recv_exact(conn, 8 * count)))
+
+
+def _hash_copy(fd: int, hasher, start: int, size: int) -> None:
+    """Feed `hasher` this node's copy from `start` to `size`, read back from its descriptor."""
+    buffer = memoryview(aligned_buffer(CHUNK))
+    offset = start
+    while offset < size:
+        got = os.preadv(fd, [buffer[:min(CHUNK, size - offset)]], offset)
+        if got <= 0:
+            raise OSError(errno.EIO, f"its own copy ended at {offset} of {size} bytes")
+        hasher.update(buffer[:got])
+        offset += got
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
