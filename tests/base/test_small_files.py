@@ -37,6 +37,7 @@ REVIEWED = {
     ("sources/local.py", "aligned_buffer", "mmap.mmap"): "anonymous memory, no file",
     ("sources/sftp.py", "RemoteSource.read_small", "sftp.open"): "stat() says a regular file just before",
     ("sources/sftp.py", "RemoteSource.open", "sftp.open"): "lstat() says a regular file just before",
+    ("sources/throttle.py", "ThrottledSource.open", "self._source.open"): "the wrapped source's own open, above",
     ("base/atomic.py", "fsync_dir", "os.open"): "O_DIRECTORY: anything but a directory fails at once",
     ("base/atomic.py", "SyncBatch.__init__", "os.open"): "O_DIRECTORY: anything but a directory fails at once",
     ("base/atomic.py", "_create_temp", "os.open"): "O_CREAT|O_EXCL|O_NOFOLLOW: a new file of our own",
