@@ -43,11 +43,12 @@ from stager.mirror.execute import land_verified, writable_dir
 from stager.mirror.fingerprint import Digest, Reference, sampled_digest
 from stager.fleet.broadcast.gate import SOCKET_BUFFER, Gate, listen, thread_cpu
 from stager.fleet.broadcast.keys import MAC_BYTES, Refused, chunk_mac, join, mac_ok, recv_exact
+from stager.fleet.broadcast.wire import blocking, recv_into_all, send_all
 from stager.fleet.report import Progress
 from stager.base.lock import HUB_LOCK, writer_lock
 from stager.mirror.observe import DigestCache
 from stager.mirror.plan import CopyFile
-from stager.sources.local import aligned_buffer
+from stager.sources.local import HUGE_PAGE, aligned_buffer
 
 log = logging.getLogger("stager.fleet.broadcast")
 
@@ -121,8 +122,8 @@ class _Held:
 class _Chunk:
     """A chunk buffer (page-aligned, for the direct write), and how many senders are using it."""
 
-    def __init__(self):
-        self.data = aligned_buffer(CHUNK)
+    def __init__(self, data: memoryview):
+        self.data = data
         self.senders = 0
         self.retired = False  # out of its file's recent chunks: spare again once no sender uses it
 
@@ -308,9 +309,11 @@ class Relay:
     # ---- chunk buffers --------------------------------------------------------------------------
 
     def take_chunk(self) -> _Chunk:
-        """A buffer to receive the next chunk into: a spare one, else a new one."""
+        """A buffer to receive the next chunk into: a spare one, else one of a new huge page's."""
         with self.cond:
-            return self.spare.pop() if self.spare else _Chunk()
+            if not self.spare:
+                self.spare.extend(_huge_page_of_chunks())
+            return self.spare.pop()
 
     def keep_recent(self, held: _Held, number: int, chunk: _Chunk, order: list) -> None:
         """Keep the chunk just written in memory for the senders; the oldest kept chunk of the
@@ -364,12 +367,12 @@ class _Downstream:
         files = self._session(number)
         if files is None or len(offsets) != len(files):
             return
-        self.conn.settimeout(SEND_TIMEOUT)
+        blocking(self.conn, SEND_TIMEOUT)
         buffer = aligned_buffer(CHUNK)
         for file_id, start in enumerate(offsets):
             if not self._send_file(file_id, files[file_id], start, buffer):
                 return
-        self.conn.sendall(FRAME.pack(END, 0, 0, 0, NO_MAC))
+        send_all(self.conn, FRAME.pack(END, 0, 0, 0, NO_MAC))
 
     def _session(self, number: int) -> list[_Held] | None:
         relay = self.relay
@@ -402,8 +405,7 @@ class _Downstream:
                 view = memoryview(recent.data if recent is not None else buffer)[:length]
                 if recent is None and os.preadv(fd, [view], offset) != length:
                     raise OSError(errno.EIO, "its own copy is shorter than what it received")
-                conn.sendall(FRAME.pack(DATA, file_id, offset, length, mac))
-                conn.sendall(view)
+                send_all(conn, FRAME.pack(DATA, file_id, offset, length, mac), view)
                 view.release()
             finally:
                 if recent is not None:
@@ -445,6 +447,7 @@ class _Feed:
         self.shunned: set[str] = set()  # upstreams that died, went silent or sent a bad chunk
         self.candidates = self._upstreams(session.chain)
         self.conn: socket.socket | None = None
+        self.header = memoryview(bytearray(FRAME.size))  # each frame's header is received into this
         self.upstream = ""
         self.lost: set[int] = set()  # files the current upstream said it does not hold
         self.hung_up = False  # the current connection was cut by a reroute, not by its upstream
@@ -556,14 +559,15 @@ class _Feed:
             if self.conn is None and not self._connect():
                 return None
             try:
-                kind, got_file, got_offset, length, mac = FRAME.unpack(recv_exact(self.conn, FRAME.size))
+                recv_into_all(self.conn, self.header)
+                kind, got_file, got_offset, length, mac = FRAME.unpack(self.header)
                 if kind == LOST and got_file == file_id:
                     self.lost.add(file_id)
                     return None
                 if (kind, got_file, got_offset, length) != (DATA, file_id, offset, len(view)):
                     raise _Protocol(f"sent frame {kind} for file {got_file} at {got_offset} ({length} bytes) where "
                                     f"file {file_id} at {offset} was due")
-                _recv_into(self.conn, view)
+                recv_into_all(self.conn, view)
             except (OSError, _Protocol) as exc:
                 self._failed(exc, "trying the next holder")
                 continue
@@ -625,7 +629,7 @@ class _Feed:
             try:
                 sock = self._join(host, port)
                 sock.sendall(self._request())
-                sock.settimeout(STALL_TIMEOUT)
+                blocking(sock, STALL_TIMEOUT)
             except (OSError, Refused) as exc:
                 if isinstance(exc, Refused):
                     self.bad_senders.append(name)
@@ -700,13 +704,12 @@ def _hash_copy(fd: int, hasher, start: int, size: int) -> None:
         offset += got
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    done = 0
-    while done < len(view):
-        got = sock.recv_into(view[done:])
-        if not got:
-            raise ConnectionError(f"the connection closed after {done} of {len(view)} bytes of a chunk")
-        done += got
+def _huge_page_of_chunks() -> list[_Chunk]:
+    """Chunk buffers carved from one huge page (transparent huge pages where the kernel has them):
+    the direct write pins one page for two chunks instead of 512, and the receive's copy and the
+    key's hash run over two TLB entries."""
+    page = memoryview(aligned_buffer(HUGE_PAGE))
+    return [_Chunk(page[at:at + CHUNK]) for at in range(0, HUGE_PAGE, CHUNK)]
 
 
 def _why(exc: BaseException) -> str:
