@@ -202,6 +202,9 @@ def run_prune(manifest_path: str | None, node: str, *, dry_run: bool, until_free
             manifest.refuse_source_overlap(f"nodes.{node}.{key}", dest)
     hub = Path(config.hub)
     engram_dir = Path(config.engram_dir) if config.engram_dir else None
+    for root in (hub, engram_dir):
+        if root is not None and root.is_dir():
+            Fence.of(identity.resolved(root))  # exit 3, dry run or not, where /proc cannot tell a mount
     report = PruneReport(node, dry_run=dry_run, until_free=until_free, journal=str(hub / audit.PRUNE_JOURNAL))
     with contextlib.ExitStack() as locks:
         if not dry_run and hub.is_dir():
