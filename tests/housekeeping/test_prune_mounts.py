@@ -83,16 +83,20 @@ def test_a_nas_mount_inside_an_item_keeps_it_and_nothing_is_removed_through_it(n
 
 # (case, where the NAS directory is mounted, which NAS directory): no item is below it.
 BESIDE = [
+    ("the wanted revision (stage binds' advice for excluded paths)",
+     lambda n: n.hub / MODEL_DIR / "snapshots" / n.new / "original", lambda n: n.nas / MODEL_DIR / "blobs"),
     ("a listed repo's blobs/", lambda n: n.hub / MODEL_DIR / "blobs" / "original", lambda n: n.nas / MODEL_DIR / "blobs"),
     ("the shared store", lambda n: n.hub / "blobs" / "zz", lambda n: _store_bucket(n.nas)),
 ]
 
 
-@pytest.mark.parametrize("case, point_of, source_of", BESIDE, ids=[c[0] for c in BESIDE])
-def test_a_nas_mount_in_blobs_is_never_scanned_as_blobs(node: Node, tmp_path: Path, case, point_of, source_of):
-    """NAS files mounted into a repo's blobs/ or into the shared store are not orphan blobs or
-    payloads of the node: the plan is what it is without the mount, the mount is listed, the NAS
-    is byte-identical."""
+@pytest.mark.parametrize("case, point_of, source_of", BESIDE, ids=["wanted revision", "a listed repo's blobs/",
+                                                                  "the shared store"])
+def test_a_nas_mount_beside_the_items_is_listed_and_never_read_as_the_nodes(node: Node, tmp_path: Path, case, point_of,
+                                                                           source_of):
+    """NAS files mounted into the wanted revision, a repo's blobs/ or the shared store are not the
+    node's (orphan blobs, payloads, what a snapshot reaches): the plan is what it is without the
+    mount, the mount is listed, the NAS is byte-identical."""
     point, source = point_of(node), source_of(node)
     plain = listed(node.prune("--dry-run").json["removed"])
     with bound(source, point, cleanup=tmp_path):
