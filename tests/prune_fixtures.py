@@ -5,7 +5,6 @@ prune test runs under: the NAS tree is byte-identical afterwards (paths, sha256,
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import subprocess
@@ -234,11 +233,3 @@ def holding(*commands: list[str], cwd: Path | None = None) -> Iterator[list[subp
 
 def python(code: str, *args: str | Path) -> list[str]:
     return [sys.executable, "-c", code, *map(str, args)]
-
-
-def blob_sha(name: str) -> bool:
-    return bool(re.fullmatch(r"[0-9a-f]{64}", name))
-
-
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
