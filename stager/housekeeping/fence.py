@@ -43,10 +43,11 @@ class Crossing:
 
 
 class Beyond(Exception):
-    """A directory on the way is on another mount or filesystem than the root's."""
+    """A directory on the way to a path, or inside what is to go, is on another mount or
+    filesystem than the root's."""
 
     def __init__(self, crossing: Crossing):
-        super().__init__(f"a mount at {crossing.point} (showing {crossing.shows}) lies on the way; never entered")
+        super().__init__(f"a mount at {crossing.point} (showing {crossing.shows}): never entered")
         self.crossing = crossing
 
 
