@@ -1,7 +1,7 @@
 """`stage fleet mirror|verify|pack-engram|audit|prune`: the node-local command on every node, over Ray.
 
 One subcommand each, so that each help lists only the options that apply to it: a single help
-for all five listed `--full` under mirror, and then refused it there.
+for all five listed `--until-free` under mirror, and then refused it there.
 """
 
 from __future__ import annotations

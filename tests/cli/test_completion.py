@@ -40,8 +40,8 @@ def test_bash_script_completes_commands_options_and_choices():
     assert bash_completes(["stage", "fle"]) == ["fleet"]
     assert bash_completes(["stage", "fleet", "pr"]) == ["prune"]
     assert bash_completes(["stage", "mirror", "--bw"]) == ["--bwlimit"]
-    assert bash_completes(["stage", "fleet", "mirror", "--fu"]) == []  # --full is verify's, not mirror's
-    assert bash_completes(["stage", "fleet", "verify", "--fu"]) == ["--full"]
+    assert bash_completes(["stage", "fleet", "mirror", "--sub"]) == []  # --subset is verify's, not mirror's
+    assert bash_completes(["stage", "fleet", "verify", "--sub"]) == ["--subset"]
     assert bash_completes(["stage", "--show-completion", ""]) == ["bash", "zsh", "fish"]
 
 

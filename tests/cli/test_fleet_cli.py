@@ -1,5 +1,5 @@
 """`stage fleet`: one help per command, listing exactly the options that command takes (one help
-for all five listed `--full` and `--until-free` under mirror, then refused them there); and
+for all five listed `--subset` and `--until-free` under mirror, then refused them there); and
 `--bwlimit`, checked on the driver and handed on to each node's own `stage mirror`."""
 
 from __future__ import annotations
