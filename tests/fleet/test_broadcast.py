@@ -111,13 +111,14 @@ def nas(tmp_path) -> dict:
 
 
 def relays(tmp_path: Path, nas: dict, key: bytes, run_id: bytes, names=("a", "b", "c"),
-           nas_for=lambda name, source: source) -> dict[str, tuple]:
+           nas_for=lambda name, source: source, streams: int = 1) -> dict[str, tuple]:
     """A relay per name, each with its own view of the NAS (`nas_for` may wrap it) and digests
-    sampled with the run's seed, as each node's agent gives its relay."""
+    sampled with the run's seed, as each node's agent gives its relay. One stream per hop unless
+    asked: the tests that count bytes on the wire count them on one connection."""
     out = {}
     for name in names:
         digests = DigestCache(nas_for(name, open_source(str(nas["root"]), {})), SEED)
-        relay = Relay(name, str(tmp_path / name / "hub"), digests, ())
+        relay = Relay(name, str(tmp_path / name / "hub"), digests, (), streams=streams)
         out[name] = (relay, relay.open("127.0.0.1", None, key, run_id))
     return out
 

@@ -296,8 +296,9 @@ def head_in_its_own_process(tmp_path: Path, nas: dict, key: bytes, run_id: bytes
 
 
 def b_joins(head, port: int, tmp_path: Path, nas: dict, key: bytes, run_id: bytes) -> tuple[dict, dict]:
-    """Relay b, in this process, takes the session from a, the chain's head: b's run and a's."""
-    b = Relay("b", str(tmp_path / "b" / "hub"), DigestCache(open_source(str(nas["root"]), {}), SEED), ())
+    """Relay b, in this process, takes the session from a, the chain's head: b's run and a's. On
+    one stream: a connection is a thread at a, and the thread limit's test leaves room for one."""
+    b = Relay("b", str(tmp_path / "b" / "hub"), DigestCache(open_source(str(nas["root"]), {}), SEED), (), streams=1)
     chain = (("a", "127.0.0.1", port), ("b", "127.0.0.1", b.open("127.0.0.1", None, key, run_id)))
     try:
         files = [(share.dest, share.source, share.size) for share in nas["files"]]

@@ -32,7 +32,6 @@ import os
 import posixpath
 import resource
 import socket
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +40,12 @@ from stager.mirror.copier import DirectWriter, SourceChanged
 from stager.base.errors import CannotRun
 from stager.mirror.execute import land_verified, writable_dir
 from stager.mirror.fingerprint import Digest, Reference, sampled_digest
-from stager.fleet.broadcast.gate import SOCKET_BUFFER, Gate, listen, thread_cpu
-from stager.fleet.broadcast.keys import MAC_BYTES, Refused, chunk_mac, join, mac_ok, recv_exact
-from stager.fleet.broadcast.wire import blocking, recv_into_all, send_all
+from stager.fleet.broadcast.gate import Gate, listen, thread_cpu
+from stager.fleet.broadcast.keys import chunk_mac
+from stager.fleet.broadcast.upstream import HANDSHAKE_TIMEOUT, Stopped, Upstream, why
+from stager.fleet.broadcast.wire import (
+    CHUNK, DATA, END, FRAME, LOST, NO_MAC, SAMPLE, Protocol, blocking, chunks_in, read_request, send_all,
+)
 from stager.fleet.report import Progress
 from stager.base.lock import HUB_LOCK, writer_lock
 from stager.mirror.observe import DigestCache
@@ -52,18 +54,10 @@ from stager.sources.local import HUGE_PAGE, aligned_buffer
 
 log = logging.getLogger("stager.fleet.broadcast")
 
-# A node forwards a chunk once it has all of it, so the last node finishes (N-1) chunk times
-# after the head. 8 nodes on the lab's 200 Mbit/s links (medians of 3, each pair in the same
-# rounds): 32.6 s with 8 MiB against 30.8 s with 4 MiB; 30.1 s with 2 MiB against 30.9 s with
-# 4 MiB; 29.1 s with 1 MiB against 29.8 s with 2 MiB, at the same relay CPU per GB. On 25 GbE and
-# up a chunk time is well under a millisecond, and a chunk's fixed cost (a frame, a key, a write)
-# stays small beside hashing and copying its MiB.
-CHUNK = 1024 * 1024
-CONNECT_TIMEOUT = 5.0
-HANDSHAKE_TIMEOUT = 10.0
-JOIN_ATTEMPTS = 3
-# An upstream that sends nothing for this long is routed around (a hung node, a cut link).
-STALL_TIMEOUT = 15.0
+# Streams per hop (connections, each with a thread at either end) when neither `--streams` nor
+# `[fleet] streams` says: one per core this process may run on, at most AUTO_STREAMS. A stream's
+# per-byte work (receive, key, write, send) releases the GIL, so K streams use K cores.
+AUTO_STREAMS = 4
 # How long a downstream that asks first waits for this node to start the same session.
 SESSION_WAIT = 30.0
 SEND_TIMEOUT = 60.0
@@ -73,17 +67,6 @@ SEND_TIMEOUT = 60.0
 # 8 nodes the lab read 70 MB/s back, and a relay's CPU was 3.0 s per GB received against 2.6 s
 # with these.
 RECENT_CHUNKS = 8
-
-# SAMPLE follows a file's last chunk: what the node that read the file from the NAS found it to
-# be, keyed like a chunk at offset = the file's size: its sample of the NAS file once its own check
-# passed; with --full its hash of every byte it read, whether or not that is the file's name (a
-# file refused on its head is then refused downstream without a hash). LOST there: nothing.
-DATA, LOST, END, SAMPLE = 1, 2, 3, 4
-FRAME = struct.Struct("<BIQI32s")  # kind, file id, offset, length, the head's chunk key
-SAMPLE_LIMIT = 256  # bytes: a sample's value is a 32-character hex digest
-REQUEST = struct.Struct("<IHI")  # session, length of the node name, number of files
-NO_MAC = bytes(MAC_BYTES)
-
 
 @dataclass(frozen=True)
 class Share:
@@ -110,9 +93,9 @@ class _Held:
 
     def __init__(self, size: int):
         self.size = size
-        self.have = 0  # written and checked, from offset 0: always a whole number of chunks, or size
+        self.have = 0  # bytes written and checked: whole chunks, in any order (one stream may run ahead)
         self.fd = -1  # a read descriptor of the temp file: it survives the rename
-        self.macs: dict[int, bytes] = {}
+        self.macs: dict[int, bytes] = {}  # chunk number -> its key, for each chunk written and checked
         self.recent: dict[int, _Chunk] = {}  # chunk number -> its bytes, for the last few written
         self.lost = False  # this node will not get the rest: downstream nodes look elsewhere
         self.sample: str | None = None  # the NAS file's sample, once this node's copy passed its check
@@ -128,12 +111,9 @@ class _Chunk:
         self.retired = False  # out of its file's recent chunks: spare again once no sender uses it
 
 
-class _Protocol(Exception):
-    """An upstream sent something other than the chunk that was due."""
-
-
-def chunks_in(size: int) -> int:
-    return -(-size // CHUNK)
+def default_streams() -> int:
+    """Streams per hop for this node: its cores, at most AUTO_STREAMS."""
+    return max(1, min(len(os.sched_getaffinity(0)), AUTO_STREAMS))
 
 
 class Relay:
@@ -148,12 +128,14 @@ class Relay:
     against its reference (Share.reference) by the node that reads it from the NAS, as it reads,
     and the others take that node's hash with the chunks' keys (_Feed.fill)."""
 
-    def __init__(self, node: str, hub: str, digests: DigestCache, never_write: tuple[str, ...], full: bool = False):
+    def __init__(self, node: str, hub: str, digests: DigestCache, never_write: tuple[str, ...], full: bool = False,
+                 streams: int | None = None):
         self.node = node
         self.hub = Path(hub)
         self.digests = digests
         self.never_write = tuple(never_write)
         self.full = full
+        self.streams = streams or default_streams()  # connections this node receives each session on
         self.cond = threading.Condition()
         self.sessions: dict[int, list[_Held]] = {}
         self.routes: dict[int, tuple] = {}  # session -> the chain as last rerouted by the driver
@@ -198,7 +180,7 @@ class Relay:
                             total_bytes=sum(held.size for held in files),
                             landed_files=sum(held.sample is not None for held in files),
                             source=feed.source if feed is not None else None, session=number,
-                            chunks=sum(chunks_in(held.size) if held.lost else chunks_in(held.have)
+                            chunks=sum(chunks_in(held.size) if held.lost else len(held.macs)
                                        for held in self.sessions.get(number, ())))
 
     def reroute(self, number: int, chain: tuple[tuple[str, str, int], ...]) -> None:
@@ -254,7 +236,7 @@ class Relay:
                     self._land(file_id, share, nas, cache, feed)
                     landed += 1
                 except Exception as exc:  # noqa: BLE001 - any failure: the node's mirror copies it from the NAS
-                    feed.fallbacks.append({"path": share.dest, "why": _why(exc)})
+                    feed.fallbacks.append({"path": share.dest, "why": why(exc)})
                     with self.cond:
                         files[file_id].lost = True
                         self.cond.notify_all()
@@ -356,21 +338,21 @@ class _Downstream:
         try:
             with self.conn:
                 self._serve()
-        except (OSError, _Protocol):
+        except (OSError, Protocol):
             pass  # the downstream went away or spoke nonsense: it reconnects to another holder
         finally:
             self.relay._count_cpu(started)
 
     def _serve(self) -> None:
         self.conn.settimeout(HANDSHAKE_TIMEOUT)
-        number, offsets = _read_request(self.conn)
+        number, stream, streams, offsets = read_request(self.conn)
         files = self._session(number)
         if files is None or len(offsets) != len(files):
             return
         blocking(self.conn, SEND_TIMEOUT)
-        buffer = aligned_buffer(CHUNK)
+        buffer = memoryview(aligned_buffer(CHUNK))
         for file_id, start in enumerate(offsets):
-            if not self._send_file(file_id, files[file_id], start, buffer):
+            if not self._send_file(file_id, files[file_id], start, stream, streams, buffer):
                 return
         send_all(self.conn, FRAME.pack(END, 0, 0, 0, NO_MAC))
 
@@ -380,40 +362,43 @@ class _Downstream:
             relay.cond.wait_for(lambda: number in relay.sessions or relay.closed, timeout=SESSION_WAIT)
             return relay.sessions.get(number)
 
-    def _send_file(self, file_id: int, held: _Held, offset: int, buffer) -> bool:
-        """Send the file from `offset` as this node gets it, then its sample; nothing for a file
-        the downstream already holds whole. False when this node is closing."""
+    def _send_file(self, file_id: int, held: _Held, start: int, stream: int, streams: int, buffer) -> bool:
+        """Send the file's chunks of `stream` (of `streams`) from `start` on, each as soon as this
+        node holds it; then, on the stream that carries the file's last chunk, its sample. Nothing
+        for a file the downstream already holds whole. False when this node is closing."""
         relay, conn = self.relay, self.conn
-        if offset >= held.size:
+        if start >= held.size:
             return True
-        while offset < held.size:
+        if start % CHUNK or start // CHUNK % streams != stream:
+            raise Protocol(f"asked for file {file_id} from {start}, not a chunk of its stream")
+        last = chunks_in(held.size) - 1
+        for number in range(start // CHUNK, last + 1, streams):
+            offset = number * CHUNK
             with relay.cond:
-                while held.have <= offset and not held.lost and not relay.closed:
+                while number not in held.macs and not held.lost and not relay.closed:
                     relay.cond.wait(1.0)
                 if relay.closed:
                     return False
-                if held.have <= offset:
-                    conn.sendall(FRAME.pack(LOST, file_id, offset, 0, NO_MAC))
-                    return True
-                mac = held.macs[offset // CHUNK]
+                mac = held.macs.get(number)
                 fd = held.fd
-                recent = held.recent.get(offset // CHUNK)
+                recent = held.recent.get(number)
                 if recent is not None:
                     recent.senders += 1
+            if mac is None:
+                send_all(conn, FRAME.pack(LOST, file_id, offset, 0, NO_MAC))
+                return True
             length = min(CHUNK, held.size - offset)
             try:
-                view = memoryview(recent.data if recent is not None else buffer)[:length]
+                view = (recent.data if recent is not None else buffer)[:length]
                 if recent is None and os.preadv(fd, [view], offset) != length:
                     raise OSError(errno.EIO, "its own copy is shorter than what it received")
                 send_all(conn, FRAME.pack(DATA, file_id, offset, length, mac), view)
-                view.release()
             finally:
                 if recent is not None:
                     with relay.cond:
                         recent.senders -= 1
                         relay._spare_if_free(recent)
-            offset += length
-        return self._send_sample(file_id, held)
+        return self._send_sample(file_id, held) if last % streams == stream else True
 
     def _send_sample(self, file_id: int, held: _Held) -> bool:
         """After a file's last chunk: its NAS sample once this node's own check has passed (LOST
@@ -435,7 +420,11 @@ class _Downstream:
 
 
 class _Feed:
-    """Where this node's chunks come from: the nearest live upstream, else the NAS."""
+    """Where this node's chunks of one session come from: its streams (upstream.Upstream), each
+    from the nearest live upstream, else the NAS. Chunk n of a file travels on stream n % K; the
+    streams of a file run in threads of their own (K - 1 of them, and the caller's), each
+    receiving, checking, writing and keeping its chunks for the senders, and the file is whole when
+    all have returned. A node with no upstream (the head) reads the NAS in order, in one thread."""
 
     def __init__(self, relay: Relay, session: Session, files: list[_Held], cache: DigestCache):
         self.relay = relay
@@ -443,253 +432,156 @@ class _Feed:
         self.files = files
         self.cache = cache
         self.vouched: dict[int, Digest] = {}  # file id -> the sample its sender vouched for
-        self.route = session.chain
-        self.shunned: set[str] = set()  # upstreams that died, went silent or sent a bad chunk
-        self.candidates = self._upstreams(session.chain)
-        self.conn: socket.socket | None = None
-        self.header = memoryview(bytearray(FRAME.size))  # each frame's header is received into this
-        self.upstream = ""
-        self.lost: set[int] = set()  # files the current upstream said it does not hold
-        self.hung_up = False  # the current connection was cut by a reroute, not by its upstream
         self.kept: list[tuple[_Held, int]] = []  # the chunks held in memory for the senders, oldest first
-        self.peer_bytes = 0
-        self.nas_bytes = 0
         self.fallbacks: list[dict] = []
         self.bad_senders: list[str] = []
         self.used: list[str] = []
+        self.stopping = False  # a stream of the current file failed: the others give up on it
+        self.nas = threading.Lock()  # the file's one NAS reader, and what was read of it, for every stream
+        self.read_nas: set[int] = set()  # files of which this node read some chunk from the NAS
+        self.nas_bytes = 0
+        self.upstreams = [Upstream(self, stream, relay.streams) for stream in range(relay.streams)]
+
+    @property
+    def peer_bytes(self) -> int:
+        return sum(upstream.peer_bytes for upstream in self.upstreams)
 
     @property
     def source(self) -> str | None:
-        """Where the next chunk is asked: the upstream it is connected to, "nas" when no upstream
-        is left, None while it connects to the next one."""
-        if self.conn is not None:
-            return self.upstream
-        return None if self.candidates else "nas"
+        """Where the next chunk is asked (the first stream's upstream, "nas", None while connecting)."""
+        return self.upstreams[0].source
 
     def fill(self, file_id: int, reader, out, hasher) -> None:
         """land_verified's fill: the file's chunks, each checked, written at its offset; then the
         frame the sender puts after a file's last chunk: the sample (--full: the hash) it vouches
         for, taken up if every chunk came from peers (else this node sampled the NAS itself).
 
-        With --full (a `hasher`) only a node reading the file from the NAS from its first byte on
+        With --full (a `hasher`) only a node reading the file from the NAS in order (the head)
         hashes as it reads; a node whose chunks came from peers relies on its sender's hash, and
         hashes its own copy only without one (a file read partly from the NAS, a lost sender)."""
-        relay, held = self.relay, self.files[file_id]
+        held = self.files[file_id]
         held.fd = os.open(f"/proc/self/fd/{out.fd}", os.O_RDONLY | os.O_CLOEXEC)
-        writer = DirectWriter(out.fd)
-        from_nas = False
-        last_from_peer = False
         hashed = 0  # bytes fed to `hasher`, in order from the first: this node's own reads of the NAS
         try:
-            while held.have < held.size:
-                offset = held.have
-                chunk = relay.take_chunk()
-                view = memoryview(chunk.data)[:min(CHUNK, held.size - offset)]
-                mac = self._from_peers(file_id, offset, view)
-                if mac is None:
-                    if not from_nas and hasher is None:
-                        # Before the first byte read from the NAS, as a copy from the NAS samples it.
-                        self.cache.remember(self.session.files[file_id].source, sampled_digest(reader, self.cache.seed))
-                    from_nas = True
-                    if reader.readinto_at(view, offset) != len(view):
-                        raise SourceChanged(errno.EIO, f"the NAS file ended before {held.size} bytes")
-                    mac = chunk_mac(relay._key, relay._run_id, file_id, offset, view)
-                    self.nas_bytes += len(view)
-                    last_from_peer = False
-                else:
-                    self.peer_bytes += len(view)
-                    last_from_peer = True
-                writer.write(view, offset)
-                if hasher is not None and hashed == offset and not last_from_peer:
-                    hasher.update(view)
-                    hashed += len(view)
-                length = len(view)
-                view.release()
-                with relay.cond:
-                    held.macs[offset // CHUNK] = mac
-                    held.have = offset + length
-                    relay.keep_recent(held, offset // CHUNK, chunk, self.kept)
-                    relay.cond.notify_all()
-            if last_from_peer:
-                # Taken off the connection even when unused: a node that read part of the file
-                # from the NAS and the rest from a peer (rerouted onto it) once read this frame
-                # as the next file's first chunk and named a healthy peer.
-                self._take_sample(file_id, held.size, vouched=not from_nas)
+            if any(upstream.candidates for upstream in self.upstreams):
+                self._striped(file_id, reader, out, sample=hasher is None)
+            else:
+                with DirectWriter(out.fd) as writer:
+                    _, hashed = self._chunks(file_id, range(chunks_in(held.size)), None, reader, writer, hasher,
+                                             sample=hasher is None)
             if hasher is not None and hashed < held.size and file_id not in self.vouched:
                 _hash_copy(held.fd, hasher, hashed, held.size)
         except BaseException:
-            self.close()  # what the upstream still sends for this file is of no use now
+            self.close()  # what the upstreams still send for this file is of no use now
             raise
-        finally:
-            writer.close()
 
-    def _take_sample(self, file_id: int, size: int, vouched: bool) -> None:
-        """The SAMPLE frame that follows the file's last chunk on the same connection, checked by
-        its key, and `vouched` for the file. None of it (LOST, a silent or lost upstream):
-        land_verified samples the NAS."""
-        if self.conn is None:
-            return
-        try:
-            kind, got_file, got_offset, length, mac = FRAME.unpack(recv_exact(self.conn, FRAME.size))
-            if kind == LOST and (got_file, got_offset) == (file_id, size):
-                return
-            if kind != SAMPLE or (got_file, got_offset) != (file_id, size) or length > SAMPLE_LIMIT:
-                raise _Protocol(f"sent frame {kind} for file {got_file} at {got_offset} where file {file_id}'s "
-                                f"sample was due")
-            payload = recv_exact(self.conn, length)
-        except (OSError, _Protocol) as exc:
-            self._failed(exc, "no sample from it")
-            return
-        if not mac_ok(chunk_mac(self.relay._key, self.relay._run_id, file_id, size, payload), mac):
-            self.bad_senders.append(self.upstream)
-            self._drop()
-            return
-        if vouched:
+    def _striped(self, file_id: int, reader, out, sample: bool) -> None:
+        """Every stream's chunks of the file at once, then the sample from the stream that carried
+        the last chunk: vouched for the file if no chunk of it came from the NAS."""
+        held = self.files[file_id]
+        last = chunks_in(held.size) - 1
+        taken: list[str | None] = []
+
+        def part(upstream: Upstream) -> None:
+            with DirectWriter(out.fd) as writer:
+                from_peer, _ = self._chunks(file_id, range(upstream.stream, last + 1, len(self.upstreams)), upstream,
+                                            reader, writer, None, sample)
+            if from_peer and last % len(self.upstreams) == upstream.stream:
+                # Taken off the connection even when unused: a node that read part of the file
+                # from the NAS and the rest from a peer (rerouted onto it) once read this frame
+                # as the next file's first chunk and named a healthy peer.
+                taken.append(upstream.take_sample(file_id, held.size))
+
+        self._in_threads([lambda upstream=upstream: part(upstream) for upstream in self.upstreams])
+        if taken and taken[0] is not None and file_id not in self.read_nas:
             method = self.session.files[file_id].reference.method if self.relay.full else f"sampled:{self.cache.seed}"
-            self.vouched[file_id] = Digest(method, size, payload.decode("ascii", "replace"))
+            self.vouched[file_id] = Digest(method, held.size, taken[0])
 
-    def _from_peers(self, file_id: int, offset: int, view: memoryview) -> bytes | None:
-        """The chunk at `offset` into `view` from an upstream, checked; its key. None: read it
-        from the NAS (no upstream is left, or the upstream does not hold the file)."""
-        relay = self.relay
-        while True:
-            self._follow_route()
-            if file_id in self.lost:
-                return None
-            if self.conn is None and not self._connect():
-                return None
+    def _chunks(self, file_id: int, numbers: range, upstream: Upstream | None, reader, writer: DirectWriter,
+                hasher, sample: bool) -> tuple[bool, int]:
+        """The chunks `numbers` of the file, each from `upstream` (checked) or else the NAS (keyed
+        here), written at its offset and kept for the senders. Returns whether the last came from a
+        peer, and how many bytes from the file's start went to `hasher` (an in-order NAS read)."""
+        relay, held = self.relay, self.files[file_id]
+        from_peer, hashed = False, 0
+        for number in numbers:
+            if self.stopping:
+                raise Stopped()
+            offset = number * CHUNK
+            chunk = relay.take_chunk()
+            view = chunk.data[:min(CHUNK, held.size - offset)]
+            mac = upstream.receive(file_id, offset, view) if upstream is not None else None
+            from_peer = mac is not None
+            if mac is None:
+                mac = self._read_nas(file_id, reader, view, offset, sample)
+            writer.write(view, offset)
+            if hasher is not None and hashed == offset:
+                hasher.update(view)
+                hashed += len(view)
+            with relay.cond:
+                held.macs[number] = mac
+                held.have += len(view)
+                relay.keep_recent(held, number, chunk, self.kept)
+                relay.cond.notify_all()
+        return from_peer, hashed
+
+    def _read_nas(self, file_id: int, reader, view: memoryview, offset: int, sample: bool) -> bytes:
+        """The chunk at `offset` read from the NAS into `view`, and its key, made here. Before the
+        file's first read the NAS is sampled, as a copy from the NAS samples it (with --full the
+        hash of every byte is the check instead). One stream reads at a time: the reader is the file's one."""
+        with self.nas:
+            if file_id not in self.read_nas:
+                self.read_nas.add(file_id)
+                if sample:
+                    self.cache.remember(self.session.files[file_id].source, sampled_digest(reader, self.cache.seed))
+            if reader.readinto_at(view, offset) != len(view):
+                raise SourceChanged(errno.EIO, f"the NAS file ended before {self.files[file_id].size} bytes")
+            self.nas_bytes += len(view)
+        return chunk_mac(self.relay._key, self.relay._run_id, file_id, offset, view)
+
+    def _in_threads(self, parts: list) -> None:
+        """Run every part at once, the first in this thread and each other in a thread of its own,
+        and return when all have; a part that fails stops the others at their next chunk (or wakes
+        them from their upstream), and its error is raised."""
+        errors: list[BaseException] = []
+
+        def run(part) -> None:
             try:
-                recv_into_all(self.conn, self.header)
-                kind, got_file, got_offset, length, mac = FRAME.unpack(self.header)
-                if kind == LOST and got_file == file_id:
-                    self.lost.add(file_id)
-                    return None
-                if (kind, got_file, got_offset, length) != (DATA, file_id, offset, len(view)):
-                    raise _Protocol(f"sent frame {kind} for file {got_file} at {got_offset} ({length} bytes) where "
-                                    f"file {file_id} at {offset} was due")
-                recv_into_all(self.conn, view)
-            except (OSError, _Protocol) as exc:
-                self._failed(exc, "trying the next holder")
-                continue
-            if mac_ok(chunk_mac(relay._key, relay._run_id, file_id, offset, view), mac):
-                return mac
-            # Refused: not written, not passed on; the same chunk is asked of the next holder.
-            log.warning("%s: a chunk from %s failed its key (file %d, offset %d); refused", relay.node,
-                        self.upstream, file_id, offset)
-            self.bad_senders.append(self.upstream)
-            self._drop()
+                part()
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread, below
+                errors.append(exc)
+                self.stopping = True
+                for upstream in self.upstreams:
+                    upstream.interrupt()
 
-    def _upstreams(self, chain) -> list[tuple[str, str, int]]:
-        """The nodes before this one in `chain`, nearest first: who to ask, in turn, before the NAS."""
-        names = [name for name, _, _ in chain]
-        return [hop for hop in reversed(chain[:names.index(self.relay.node)]) if hop[0] not in self.shunned]
+        def counted(part) -> None:
+            started = thread_cpu()
+            try:
+                run(part)
+            finally:
+                self.relay._count_cpu(started)
 
-    def _follow_route(self) -> None:
-        """Take a rerouted chain into use: a new nearest upstream is asked from the next chunk on."""
-        with self.relay.cond:
-            route = self.relay.routes.get(self.session.number, self.route)
-        if route == self.route:
-            return
-        self.route = route
-        self.candidates = self._upstreams(route)
-        if self.conn is not None and (not self.candidates or self.candidates[0][0] != self.upstream):
-            self.conn.close()
-            self.conn = None
-
-    def _failed(self, exc: BaseException, then: str) -> None:
-        """The current upstream's connection failed: it is left for good, and named if it broke
-        the protocol. Unless a reroute hung up on it: then the new upstream is asked."""
-        if self.hung_up:
-            self.hung_up = False
-            self.close()
-            return
-        log.warning("%s: upstream %s lost (%s); %s", self.relay.node, self.upstream, _why(exc), then)
-        if isinstance(exc, _Protocol):
-            self.bad_senders.append(self.upstream)
-        self._drop()
+        threads = [threading.Thread(target=counted, args=(part,), name="stage-broadcast-stream", daemon=True)
+                   for part in parts[1:]]
+        for thread in threads:
+            thread.start()
+        run(parts[0])
+        for thread in threads:
+            thread.join()
+        self.stopping = False
+        if errors:
+            raise next((exc for exc in errors if not isinstance(exc, Stopped)), errors[0])
 
     def rerouted(self, chain) -> None:
-        """From the driver's reroute (another thread): if this node's upstream now comes after it
-        (it was the laggard, moved to the tail), hang up at once. Finishing the chunk in flight at
-        the laggard's pace held the node back by a chunk's time at a quarter of the rate (2.7 s
-        at 25 Mbit/s on the lab)."""
-        names = [name for name, _, _ in chain]
-        conn = self.conn
-        if (conn is None or self.upstream not in names or self.relay.node not in names
-                or names.index(self.upstream) < names.index(self.relay.node)):
-            return
-        self.hung_up = True
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)
-
-    def _connect(self) -> bool:
-        relay = self.relay
-        while self.candidates:
-            name, host, port = self.candidates[0]
-            try:
-                sock = self._join(host, port)
-                sock.sendall(self._request())
-                blocking(sock, STALL_TIMEOUT)
-            except (OSError, Refused) as exc:
-                if isinstance(exc, Refused):
-                    self.bad_senders.append(name)
-                log.warning("%s: cannot take the broadcast from %s (%s)", relay.node, name, _why(exc))
-                self.shunned.add(name)
-                self.candidates.pop(0)
-                continue
-            self.conn, self.upstream, self.lost, self.hung_up = sock, name, set(), False
-            self.used.append(name)
-            return True
-        return False
-
-    def _join(self, host: str, port: int) -> socket.socket:
-        """A connection to the upstream at (host, port), both ends having proved the key. A
-        handshake the upstream hung up on is tried again, JOIN_ATTEMPTS in all: under a flood of
-        strangers from this node's own address its gate lets the oldest handshakes give way
-        (gate.py), and one member's is seldom among them twice running."""
-        attempts = JOIN_ATTEMPTS
-        while True:
-            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-                sock.settimeout(HANDSHAKE_TIMEOUT)
-                join(sock, self.relay._key, self.relay._run_id)
-                return sock
-            except ConnectionError:
-                sock.close()
-                attempts -= 1
-                if not attempts:
-                    raise
-            except BaseException:
-                sock.close()
-                raise
-
-    def _request(self) -> bytes:
-        """Where to start each file: what this node already holds (all of a file it is done with)."""
-        me = self.relay.node.encode()
-        offsets = [held.size if held.lost else held.have for held in self.files]
-        return (REQUEST.pack(self.session.number, len(me), len(offsets)) + me
-                + struct.pack(f"<{len(offsets)}Q", *offsets))
-
-    def _drop(self) -> None:
-        """Leave the current upstream for good (it died, went silent or sent a bad frame)."""
-        self.close()
-        if self.candidates:
-            self.shunned.add(self.candidates.pop(0)[0])
+        """From the driver's reroute (another thread): each stream whose upstream now comes after
+        this node hangs up at once (Upstream.rerouted)."""
+        for upstream in self.upstreams:
+            upstream.rerouted(chain)
 
     def close(self) -> None:
-        """Hang up on the current upstream (a reconnect may ask it again)."""
-        if self.conn is not None:
-            self.conn.close()
-        self.conn = None
-
-
-def _read_request(conn: socket.socket) -> tuple[int, list[int]]:
-    number, name_length, count = REQUEST.unpack(recv_exact(conn, REQUEST.size))
-    if name_length > 255 or count > 1 << 20:
-        raise _Protocol("an oversized request")
-    recv_exact(conn, name_length)
-    return number, list(struct.unpack(f"<{count}Q", recv_exact(conn, 8 * count)))
+        """Hang up on every upstream (a reconnect may ask them again)."""
+        for upstream in self.upstreams:
+            upstream.close()
 
 
 def _hash_copy(fd: int, hasher, start: int, size: int) -> None:
@@ -710,7 +602,3 @@ def _huge_page_of_chunks() -> list[_Chunk]:
     key's hash run over two TLB entries."""
     page = memoryview(aligned_buffer(HUGE_PAGE))
     return [_Chunk(page[at:at + CHUNK]) for at in range(0, HUGE_PAGE, CHUNK)]
-
-
-def _why(exc: BaseException) -> str:
-    return (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).strip()
