@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from stager.fleet.node import LABEL
 from stager.fleet.report import Progress
@@ -58,18 +59,22 @@ class Stall:
 
 class Watch:
     """Every watched agent asked for its progress at each look (at most one a LOOK_INTERVAL),
-    every answer taken without waiting: the latest per node, the last few per look, and the
-    agents silent for SILENCE (START before a first answer), in `stalled`. A stalled agent is
-    asked nothing more; its calls still pending are left to Ray (the driver ends the agent)."""
+    every answer taken without waiting: the latest per node, the last few per look, and in
+    `stalled` the agents that answered none of the calls asked in the last SILENCE seconds (START
+    before a first answer). Silence is counted from the ask of the latest call answered, not from
+    when its answer was taken: a node stopped just after an answer is judged SILENCE after it, not
+    a look later. A stalled agent is asked nothing more; its calls still pending are left to Ray
+    (the driver ends the agent)."""
 
     def __init__(self, ray, agents: dict, silence: float = SILENCE, start: float = START):
         self.ray, self.agents, self.silence, self.start = ray, dict(agents), silence, start
         self.asking: dict = {}  # ObjectRef -> (node, look number)
         self.looks: list[float] = []  # when each look asked (monotonic), by look number
-        self.heard: dict[str, float] = {}  # node -> its last answer, or when it was first asked
+        self.heard: dict[str, float] = {}  # node -> when the latest call it answered was asked, or its first
         self.latest: dict[str, Progress] = {}
         self.by_look: dict[str, dict[int, Progress]] = {}  # node -> look number -> its answer to it
         self.stalled: dict[str, Stall] = {}
+        self.on_look: Callable[[], None] | None = None  # told after each look: the driver's live display
 
     def forget(self, node: str) -> None:
         """Watch the node no more: its agent died (the death has its own path), or its part is over."""
@@ -89,7 +94,26 @@ class Watch:
                     continue  # not started yet: one call waits for it, not one per look
                 self.asking[agent.progress.remote()] = (node, len(self.looks) - 1)
                 self.heard.setdefault(node, now)
-        return self._judge(now)
+        found = self._judge(now)
+        if self.on_look is not None:
+            self.on_look()
+        return found
+
+    def silent_for(self, seconds: float) -> set[str]:
+        """The watched agents that have answered before but none of the calls asked in the last
+        `seconds`: not stalled yet, but nothing should wait on them meanwhile."""
+        now = time.monotonic()
+        waiting = {node for node, _number in self.asking.values()}
+        return {node for node in waiting if node in self.latest and now - self.heard[node] >= seconds}
+
+    def next_look(self) -> float:
+        """Seconds until the watch has something to do: ask again, or judge a node whose silence
+        runs out. A wait loop waits no longer than this between looks."""
+        now = time.monotonic()
+        due = [self.looks[-1] + LOOK_INTERVAL] if self.looks else [now]
+        due += [self.heard[node] + (self.silence if node in self.latest else self.start)
+                for node in {node for node, _number in self.asking.values()}]
+        return max(0.0, min(LOOK_INTERVAL, min(due) - now))
 
     def same_look(self, nodes: set[str]) -> tuple[float, dict[str, Progress]] | None:
         """The latest look every one of `nodes` has answered: when it asked, and their answers.
@@ -116,7 +140,7 @@ class Watch:
                 continue
             except Exception:  # noqa: BLE001 - the agent answered, though not with its progress
                 answer = None
-            self.heard[node] = max(self.heard.get(node, now), now)
+            self.heard[node] = max(self.heard.get(node, now), self.looks[number])
             if isinstance(answer, Progress):
                 self.latest[node] = answer
                 kept = self.by_look.setdefault(node, {})
@@ -143,7 +167,7 @@ def gather(ray, refs: dict, watch: Watch, until: float) -> dict[str, object]:
     pending, answers = dict(refs), {}
     while pending and time.monotonic() < until:
         ready, _ = ray.wait(list(pending), num_returns=len(pending),
-                            timeout=max(0.0, min(LOOK_INTERVAL, until - time.monotonic())))
+                            timeout=max(0.0, min(watch.next_look(), until - time.monotonic())))
         for ref in ready:
             node = pending.pop(ref)
             try:

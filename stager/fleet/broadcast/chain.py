@@ -15,7 +15,7 @@ from typing import Callable
 
 from stager.fleet.broadcast.keys import mint
 from stager.fleet.broadcast.relay import Session, Share, chunks_in
-from stager.fleet.liveness import LOOK_INTERVAL, START, Watch, gather
+from stager.fleet.liveness import START, Watch, gather
 from stager.fleet.report import Progress
 from stager.manifest import Manifest
 
@@ -24,6 +24,12 @@ CLOSE_TIMEOUT = 10.0
 # many chunks it holds; a node receiving at less than LAG_FRACTION of the best rate its upstream
 # has shown, and LAG_MIN_CHUNKS behind it, goes to the tail.
 LAG_FRACTION = 0.5
+# A node whose agent has answered none of the driver's looks for this long (three looks) is moved
+# out of its chain's way, as a laggard is, so that its downstream takes the chunks from its upstream
+# well before the node is found stalled (liveness.SILENCE) and waited for no more. A moving node's
+# agent answers within milliseconds however slow its link or disk (docs/fleet.md): slowness is the
+# laggard rule's, never this one's. Before, the downstream waited 15 s (relay.STALL_TIMEOUT).
+SILENT_REROUTE = 3.0
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
 # of nothing received made the node just rerouted off a laggard look like one (the lab saw it).
 REROUTE_GRACE = 3.0
@@ -51,7 +57,7 @@ def broadcast(ray, manifest: Manifest, relays: dict,
               done: Callable[[str, str | None], None], watch: Watch) -> dict[str, dict]:
     """Open the relays of the nodes in `relays` (Ray actors pinned to them, offering the relay's
     calls), then (while they open) ask `plan` for the sessions, then run every session's chain.
-    Returns per node {peer_bytes, nas_bytes, landed_files, fallbacks, bad_senders, refused,
+    Returns per node {peer_bytes, nas_bytes, landed_files, upstreams, fallbacks, bad_senders, refused,
     relay_cpu_seconds, error}. The key and run id are minted here and go to the relays as arguments of `open`, over
     Ray's authenticated channel, and nowhere else.
 
@@ -62,8 +68,8 @@ def broadcast(ray, manifest: Manifest, relays: dict,
     `watch` finds stalled is never done: the driver reports it stalled, and ends its agent."""
     key, run_id = mint()
     nodes = list(relays)
-    stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "fallbacks": [], "bad_senders": [],
-                    "refused": [], "error": None} for name in nodes}
+    stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "upstreams": [], "fallbacks": [],
+                    "bad_senders": [], "refused": [], "error": None} for name in nodes}
     try:
         opening = {name: relays[name].open.remote(bind_host(manifest.nodes[name].address), ports, key, run_id)
                    for name in nodes}
@@ -114,9 +120,9 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
     route = _Route(relays, session)
     while running:
         ready, _ = ray.wait(list(running), num_returns=1,
-                            timeout=max(0.0, min(LOOK_INTERVAL, deadline - time.monotonic())))
+                            timeout=max(0.0, min(watch.next_look(), deadline - time.monotonic())))
         watch.look()
-        route.around(watch.stalled, set(running.values()))
+        route.around(set(watch.stalled) | watch.silent_for(SILENT_REROUTE), set(running.values()) - set(watch.stalled))
         running = {ref: name for ref, name in running.items() if name not in watch.stalled}
         if not ready:
             if time.monotonic() >= deadline:
@@ -124,7 +130,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
                     stats[name]["error"] = "the broadcast did not finish within its share of --timeout"
                     ray.kill(relays[name], no_restart=True)
                 return
-            route.check(set(running.values()), watch)
+            route.check(set(running.values()) - route.out_of_the_way, watch)
             continue
         if ready[0] not in running:
             continue  # its node was just found stalled
@@ -141,6 +147,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             for field in ("peer_bytes", "nas_bytes", "landed_files"):
                 mine[field] += got[field]
             mine["fallbacks"] += got["fallbacks"]
+            mine["upstreams"] = list(dict.fromkeys(mine["upstreams"] + list(got.get("upstreams") or ())))
             mine["bad_senders"] = sorted(set(mine["bad_senders"]) | set(got["bad_senders"]))
         if last[name] == session.number:
             done(name, gone.get(name))
@@ -152,9 +159,10 @@ class _Route:
     """The chain's order as the session goes. A node far behind its upstream holds back every node
     after it, and a node that answers nothing holds them back for good: either is moved to the tail
     of the chain, and the node that was taking chunks from it hangs up at once and takes them from
-    its upstream instead (the relay's reroute). A laggard, once, and never the head (it reads the
-    NAS for everyone); there the last node serves it from disk. A stalled node, the head too (the
-    next node then reads the NAS), and nobody takes anything from it again.
+    its upstream instead (the relay's reroute); there the last node serves it from disk. A laggard,
+    once, and never the head (it reads the NAS for everyone). A node silent for SILENT_REROUTE, once,
+    the head too (the next node then reads the NAS): nobody takes anything from it again, and if it
+    answers again it is served at the tail as a laggard is.
 
     Laggards are judged by rate, not by chunks held: a node just rerouted off a laggard starts that
     laggard's distance behind its new upstream and keeps it while both receive at full speed. Judged
@@ -167,18 +175,18 @@ class _Route:
         self.relays, self.session = relays, session
         self.chain = session.chain
         self.moved: set[str] = set()
-        self.out_of_the_way: set[str] = set()  # stalled nodes already moved
+        self.out_of_the_way: set[str] = set()  # silent nodes already moved
         self.total = sum(chunks_in(share.size) for share in session.files)
         self.looks: list[tuple[float, dict[str, int]]] = []  # the last few looks: when, and who held what
         self.seen = -1.0  # the time of the last look taken
         self.quiet_until = 0.0  # no judging before this (monotonic): a reroute is settling
         self.peaks: dict[str, float] = {}  # each node's best receive rate so far, chunks per second
 
-    def around(self, stalled: dict, running: set[str]) -> None:
-        """Move the chain's newly stalled nodes out of everyone's way."""
-        for name in [name for name, _, _ in self.chain if name in stalled and name not in self.out_of_the_way]:
+    def around(self, silent: set[str], running: set[str]) -> None:
+        """Move the chain's nodes newly found silent out of everyone's way, once each."""
+        for name in [name for name, _, _ in self.chain if name in silent and name not in self.out_of_the_way]:
             self.out_of_the_way.add(name)
-            self._to_tail(name, running - set(stalled), time.monotonic())
+            self._to_tail(name, running, time.monotonic())
 
     def check(self, running: set[str], watch: Watch) -> None:
         """The laggard rule, on the latest look every running node answered."""
