@@ -51,6 +51,7 @@ from stager.base.lock import HUB_LOCK, writer_lock
 from stager.mirror.observe import DigestCache
 from stager.mirror.plan import CopyFile
 from stager.sources.local import HUGE_PAGE, aligned_buffer
+from stager.sources.throttle import Throttle
 
 log = logging.getLogger("stager.fleet.broadcast")
 
@@ -147,6 +148,9 @@ class Relay:
         self._lock = contextlib.ExitStack()
         self._key = b""
         self._run_id = b""
+        # --bwlimit: what this node sends its downstreams, all of them together (its NAS reads
+        # have their own bucket, in its source).
+        self.send_limit: Throttle | None = None
 
     # ---- the run's life -------------------------------------------------------------------------
 
@@ -392,6 +396,8 @@ class _Downstream:
                 view = (recent.data if recent is not None else buffer)[:length]
                 if recent is None and os.preadv(fd, [view], offset) != length:
                     raise OSError(errno.EIO, "its own copy is shorter than what it received")
+                if relay.send_limit is not None:
+                    relay.send_limit.take(length)
                 send_all(conn, FRAME.pack(DATA, file_id, offset, length, mac), view)
             finally:
                 if recent is not None:
