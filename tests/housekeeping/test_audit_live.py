@@ -21,7 +21,7 @@ from conftest import run_stage
 from hubgen import build_demo
 from reliability_support import MiB, build_staging, needs_root, temp_files
 
-TWO_DAYS_AGO = time.time() - 48 * 3600
+TWO_DAYS = 48 * 3600  # taken from the clock when a file is aged: the module may run minutes after it is imported
 FLASH_BLOBS = "models--acme--Flash-3bpw/blobs"
 
 # Holds an exclusive flock on argv[1], as lock.writer_lock does, until its stdin closes.
@@ -70,7 +70,8 @@ def audit(manifest: Path, *extra: str):
 def old_temp(path: Path, size: int = 4096) -> Path:
     """A temp file as a writer leaves it just before its rename: complete, with the NAS's old mtime."""
     path.write_bytes(b"\0" * size)
-    os.utime(path, (TWO_DAYS_AGO, TWO_DAYS_AGO))
+    aged = time.time() - TWO_DAYS
+    os.utime(path, (aged, aged))
     return path
 
 
@@ -137,7 +138,8 @@ def test_a_frozen_real_mirror_keeps_its_temp_files_until_it_is_killed(tmp_path):
         in_flight = temp_files(staging.local)
         assert in_flight, "the mirror finished before a copy was seen in flight"
         for path in in_flight:
-            os.utime(path, (TWO_DAYS_AGO, TWO_DAYS_AGO))
+            aged = time.time() - TWO_DAYS
+            os.utime(path, (aged, aged))
         during = audit(staging.manifest)
         assert temps(during) == {}
         lock = staging.local / ".locks" / "stager.lock"
