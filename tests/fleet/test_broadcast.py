@@ -4,6 +4,7 @@ key). The fleet-level runs, on a real Ray cluster, are in test_fleet.py."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from stager.fleet.broadcast import keys
 from stager.fleet.broadcast.keys import mint
+from stager.fleet.broadcast.wire import FRAME
 from stager.fleet.broadcast.relay import CHUNK, Relay, Session, Share
 from stager.base.lock import HUB_LOCK
 from stager.mirror.observe import DigestCache
@@ -360,3 +363,170 @@ def test_the_driver_moves_the_first_laggard():
     assert laggard(names, {"a": LAG_MIN_CHUNKS - 1, "b": 0, "c": 0, "d": 0}, trailing, trailing, set()) is None
     assert laggard(names, {"a": LAG_MIN_CHUNKS, "b": LAG_MIN_CHUNKS, "c": LAG_MIN_CHUNKS, "d": 0}, trailing, trailing,
                    set()) is None
+
+# ---- K streams per hop -------------------------------------------------------------------------------
+
+# A real process between a downstream and its upstream, on every connection of a hop: each
+# connection's upstream bytes pass through with one byte flipped at `flip_at` of that connection
+# (flip_at -1: none), and the connection accepted `cut_nth` (1 for the first; 0: none) is shut
+# both ways once `cut_at` bytes of it have passed. It prints its port, then one line per connection it ended.
+SPLICE = r"""
+import socket, sys, threading
+target, flip_at, cut_nth, cut_at = (int(arg) for arg in sys.argv[1:5])
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+def pipe(src, dst, flip, cut):
+    seen = 0
+    try:
+        while True:
+            data = src.recv(1 << 16)
+            if not data:
+                break
+            if cut and seen + len(data) > cut_at:
+                dst.sendall(data[:cut_at - seen])
+                print("cut", flush=True)
+                for sock in (src, dst):  # closed both ways, as a killed process's connections are
+                    sock.shutdown(socket.SHUT_RDWR)
+                return
+            if flip and seen <= flip_at < seen + len(data):
+                data = bytearray(data); data[flip_at - seen] ^= 0xFF; data = bytes(data)
+            seen += len(data)
+            dst.sendall(data)
+    except OSError:
+        pass
+    try:
+        dst.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+accepted = 0
+while True:
+    client, _ = server.accept()
+    accepted += 1
+    upstream = socket.create_connection(("127.0.0.1", target))
+    threading.Thread(target=pipe, args=(upstream, client, flip_at >= 0, accepted == cut_nth), daemon=True).start()
+    threading.Thread(target=pipe, args=(client, upstream, False, False), daemon=True).start()
+"""
+
+STREAMS = 3
+
+
+@pytest.fixture
+def striped_nas(tmp_path) -> dict:
+    """Files of more chunks than a hop has streams, each with a short last chunk: every stream
+    carries several chunks of each, and a different stream carries each file's last one."""
+    root = tmp_path / "nas"
+    files = []
+    for size in (13 * CHUNK + 777, 7 * CHUNK + 5, 2 * CHUNK + 1):
+        data = os.urandom(size)
+        digest = hashlib.sha256(data).hexdigest()
+        path = root / "models--acme--m" / "blobs" / digest
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        files.append(Share(f"models--acme--m/blobs/{digest}", f"models--acme--m/blobs/{digest}", size))
+    return {"root": root, "files": tuple(files)}
+
+
+@contextlib.contextmanager
+def spliced(port: int, flip_at: int = -1, cut_nth: int = 0, cut_at: int = 0):
+    """SPLICE in front of `port`: yields (its port, the process)."""
+    proc = subprocess.Popen([sys.executable, "-c", SPLICE, str(port), str(flip_at), str(cut_nth), str(cut_at)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(proc.stdout.readline()), proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_k_streams_carry_every_chunk_once_and_a_stream_cut_mid_file_resumes_from_its_last_checked_chunk(
+        tmp_path, striped_nas):
+    """a -> b -> c, three streams per hop. One of c's three connections to b is reset inside its
+    second chunk of the first file: that stream asks a, the next holder, from the first chunk of
+    its own it does not hold, and the other two go on from b. Every node's bytes are right, c read
+    nothing from the NAS and received every byte once, and nobody is named a bad sender."""
+    nas = striped_nas
+    total = sum(share.size for share in nas["files"])
+    handshake = len(keys.GREETING) + keys.NONCE_BYTES + keys.MAC_BYTES
+    second_chunk = handshake + 2 * FRAME.size + CHUNK + CHUNK // 2
+    key, run_id = mint()
+    running = relays(tmp_path, nas, key, run_id, streams=STREAMS)
+    try:
+        with spliced(running["b"][1], cut_nth=2, cut_at=second_chunk) as (b_port, splice):
+            hops = {name: (name, "127.0.0.1", port) for name, (_, port) in running.items()}
+            results: dict[str, dict] = {}
+
+            def one(name, chain):
+                results[name] = running[name][0].run(Session(0, nas["files"], chain), True)
+
+            c_view = (hops["a"], ("b", "127.0.0.1", b_port), hops["c"])
+            threads = [threading.Thread(target=one, args=(name, chain)) for name, chain in (
+                ("a", tuple(hops.values())), ("b", tuple(hops.values())), ("c", c_view))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert splice.stdout.readline().strip() == "cut"
+    finally:
+        for relay, _ in running.values():
+            relay.close()
+    assert results["b"]["peer_bytes"] == total and sorted(results["b"]["upstreams"]) == ["a"] * STREAMS
+    # Every byte once: a stream that asked again from the start would have been sent a chunk it
+    # holds, which it would refuse as the wrong frame and name its sender.
+    assert results["c"]["peer_bytes"] == total and results["c"]["nas_bytes"] == 0, results["c"]
+    assert sorted(results["c"]["upstreams"]) == ["a"] + ["b"] * STREAMS, results["c"]
+    assert results["c"]["bad_senders"] == [] and results["c"]["landed_files"] == len(nas["files"]), results["c"]
+    for name in running:
+        assert_landed(tmp_path, name, nas)
+
+
+def test_a_corrupting_peer_is_refused_on_every_stream(tmp_path, striped_nas, caplog):
+    """a -> b -> c, three streams per hop, a byte flipped inside the first chunk of each of b's
+    connections to a: each stream refuses its own bad chunk (at its first chunk's offset), names a,
+    and reads its chunks from the NAS (there is no other holder); c, downstream, gets every byte
+    from b and names nobody."""
+    nas = striped_nas
+    total = sum(share.size for share in nas["files"])
+    handshake = len(keys.GREETING) + keys.NONCE_BYTES + keys.MAC_BYTES
+    key, run_id = mint()
+    running = relays(tmp_path, nas, key, run_id, streams=STREAMS)
+    caplog.set_level("WARNING", logger="stager.fleet.broadcast")
+    try:
+        with spliced(running["a"][1], flip_at=handshake + FRAME.size + 1000) as (a_port, _):
+            chain = (("a", "127.0.0.1", a_port), ("b", "127.0.0.1", running["b"][1]),
+                     ("c", "127.0.0.1", running["c"][1]))
+            results = run_all(running, Session(0, nas["files"], chain))
+    finally:
+        for relay, _ in running.values():
+            relay.close()
+    refused = sorted(record.getMessage() for record in caplog.records if "failed its key" in record.getMessage())
+    assert refused == [f"b: a chunk from a failed its key (file 0, offset {stream * CHUNK}); refused"
+                       for stream in range(STREAMS)], refused
+    assert results["b"]["bad_senders"] == ["a"] and results["b"]["peer_bytes"] == 0, results["b"]
+    assert results["b"]["nas_bytes"] == total and results["b"]["landed_files"] == len(nas["files"]), results["b"]
+    assert results["c"]["bad_senders"] == [] and results["c"]["peer_bytes"] == total, results["c"]
+    for name in ("b", "c"):
+        assert_landed(tmp_path, name, nas)
+
+
+def test_strangers_asking_for_each_stream_are_refused_and_the_members_get_every_stream(tmp_path, striped_nas):
+    """Strangers ask a relay for each of its three streams, with no proof or a proof from a wrong
+    key: every one is refused before a byte of data, and b, a member, takes all three streams."""
+    nas = striped_nas
+    key, run_id = mint()
+    running = relays(tmp_path, nas, key, run_id, names=("a", "b"), streams=STREAMS)
+    port = running["a"][1]
+    try:
+        strangers = [subprocess.run([sys.executable, "-c", STRANGER, str(port), kind], capture_output=True, text=True,
+                                    timeout=60) for kind in ("no-key", "wrong-key") for _ in range(STREAMS)]
+        chain = tuple((name, "127.0.0.1", running[name][1]) for name in ("a", "b"))
+        results = run_all(running, Session(0, nas["files"], chain))
+    finally:
+        refused = running["a"][0].close()["refused"]
+        running["b"][0].close()
+    assert [stranger.stdout.strip() for stranger in strangers] == (
+        ["after the greeting: 0"] * STREAMS + ["refused: ConnectionError"] * STREAMS), strangers
+    assert refused == [{"address": "127.0.0.1", "connections": 2 * STREAMS,
+                        "why": {"it did not prove the run's key": 2 * STREAMS}}], refused
+    assert results["b"]["peer_bytes"] == sum(share.size for share in nas["files"]), results["b"]
+    assert sorted(results["b"]["upstreams"]) == ["a"] * STREAMS
+    assert_landed(tmp_path, "b", nas)
