@@ -320,7 +320,6 @@ class Driver:
             look = self.watch.next_look() if self.watch is not None else LOOK_INTERVAL
             ready, _ = self.ray.wait([*self.running, *self.pings.asked], num_returns=1,
                                      timeout=max(0.0, min(look, self.left(), self.pings.first_due() - time.monotonic())))
-            self.tracker.tick(self)
             if ready and ready[0] in self.pings.asked:
                 self._pinged(ready[0])
                 continue
