@@ -21,7 +21,7 @@ from typing import Callable
 from stager.base import identity
 from stager.base.errors import BadInput
 from stager.base.small_files import read_regular
-from stager.base.units import parse_duration, parse_size
+from stager.base.units import RATE_GRAMMAR, parse_duration, parse_rate, parse_size
 
 DEFAULT_MANIFEST = Path("manifests/cluster.toml")
 MANIFEST_ENV = "STAGE_MANIFEST"
@@ -177,6 +177,20 @@ def _duration(value: object) -> int:
     return parse_duration(value)  # type: ignore[arg-type]  # it refuses floats and booleans itself
 
 
+def _rate(value: object) -> int:
+    """Bytes per second, spelled as --bwlimit spells a rate ("10G" = 10 GiB/s, "3GB" = 3e9 B/s). A
+    rate that is no limit ("0", "off") says nothing about a path, and is refused."""
+    text = _text(value)
+    try:
+        rate = parse_rate(text)
+    except ValueError:
+        rate = None
+    if rate is None:
+        grammar = RATE_GRAMMAR.removesuffix("; 0 or off for no limit")
+        raise ValueError(f"expected bytes per second such as '10GB' or '3G' ({grammar}), got {text!r}")
+    return rate
+
+
 def _aliases(value: object) -> dict[str, str]:
     aliases = _table_of(_text)(value)
     for prefix, target in aliases.items():
@@ -262,11 +276,22 @@ class EngramConfig:
 
 
 @dataclass(frozen=True)
+class FleetConfig:
+    """What `stage fleet mirror` is told of the paths bytes take, instead of measuring them at
+    the start of each run (docs/fleet.md, "Never slower than direct reads"). Bytes per second."""
+
+    nas_rate: int | None = _key(_rate, None)  # what the NAS serves all nodes together
+    nas_node_rate: int | None = _key(_rate, None)  # what one node reads from the NAS by itself
+    relay_rate: int | None = _key(_rate, None)  # what a node's relay receives and passes on (its link, its CPU)
+
+
+@dataclass(frozen=True)
 class Manifest:
     nas: NasConfig = _key(_table(NasConfig))
     models: dict[str, ModelConfig] = _key(_repo_ids(_table_of(_table(ModelConfig))), {})
     nodes: dict[str, NodeConfig] = _key(_table_of(_table(NodeConfig)), {})
     engram: EngramConfig | None = _key(_table(EngramConfig), None)
+    fleet: FleetConfig = _key(_table(FleetConfig), FleetConfig())
     path: str = ""  # where the manifest was read from; not a key
 
     def __post_init__(self) -> None:

@@ -22,6 +22,11 @@ only: no route leads off the machine, and nothing here connects to an address it
   to register.
 - The NAS's bytes are read from its veth's counters in the root namespace, independent of what
   `stage` reports.
+- Two modes make direct reads win (docs/fleet-lab.md, "Never slower than direct reads"): `--fast-nas`
+  gives the manifest the NAS's directory as `nas.hub`, a path every namespace reads at the disk's
+  rate (a fast NFS mount's stand-in, past the shaped links); `--cpu-quota C` caps each node's
+  processes at C cores (cgroup v1 cpu.cfs_quota_us), so a relay's CPU, not its link, can be the
+  limit.
 
 Leaving nothing behind: every name carries a per-run id (namespaces `stlab-<id>-<member>`, links
 `sl<id>...`), every process the lab starts carries STAGER_LAB_RUN=<id> in its environment, and the
@@ -71,6 +76,7 @@ TEST_RANGE = ipaddress.ip_network("198.18.0.0/15")
 INNER_IF = "lab0"  # the veth end inside each namespace
 HEAD_OBJECT_STORE = 80 * MiB
 NODE_OBJECT_STORE = 100 * MiB
+CPU_V1 = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller: --cpu-quota's cpu.cfs_quota_us
 SFTP_SERVERS = ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-server", "/usr/libexec/sftp-server")
 # Ethernet (14) + IPv4 (20) + TCP with timestamps (32): what each frame adds to the TCP payload.
 FRAME_OVERHEAD = 66
@@ -107,7 +113,7 @@ def ray_bin() -> str:
 class LabConfig:
     """nodes: how many (named dgx1..dgxN); rate_mbit: every link, both directions; size: the
     NAS hub's model bytes, split into `files` safetensors shards; slow: node name -> its own
-    rate in Mbit/s (a straggler)."""
+    rate in Mbit/s (a straggler); fast_nas, cpu_quota: the modes that make direct reads win."""
 
     nodes: int = 3
     rate_mbit: float = 100.0
@@ -115,6 +121,8 @@ class LabConfig:
     files: int = 6
     slow: tuple[tuple[str, float], ...] = ()
     base: Path = Path(tempfile.gettempdir())
+    fast_nas: bool = False  # the manifest's nas.hub is the NAS's directory itself, not its sftp:// URL
+    cpu_quota: float | None = None  # cores each node's processes may use (cgroup v1 cpu.cfs_quota_us)
 
     def rate_of(self, node: str) -> float:
         return dict(self.slow).get(node, self.rate_mbit)
@@ -465,16 +473,31 @@ Subsystem sftp {sftp}
         return path
 
     def _enter_cgroup(self, member: Member | None):
-        """A preexec_fn that moves the child into the member's cgroup before it runs."""
+        """A preexec_fn that moves the child into the member's cgroup before it runs, and into its
+        CPU-quota cgroup (cgroup v1) when the lab has a quota and the member is a node."""
         group = self.cgroup(member)
-        if group is None:
+        quota = self.quota_cgroup(member)
+        procs = [str(g / "cgroup.procs") for g in (group, quota) if g is not None]
+        if not procs:
             return None
-        procs = str(group / "cgroup.procs")
 
         def enter() -> None:
-            with open(procs, "w") as handle:
-                handle.write("0")
+            for path in procs:
+                with open(path, "w") as handle:
+                    handle.write("0")
         return enter
+
+    def quota_cgroup(self, member: Member | None) -> Path | None:
+        """The node's cgroup v1 cpu group, capped at config.cpu_quota cores (made on first use);
+        None for the NAS and the head, or without a quota."""
+        if self.config.cpu_quota is None or member is None or member.name == "nas":
+            return None
+        group = quota_root(self.run_id) / member.name
+        if not group.is_dir():
+            group.mkdir(parents=True)
+            period = int((group / "cpu.cfs_period_us").read_text())
+            (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(self.config.cpu_quota * period))))
+        return group
 
     def cpu_seconds(self, member: Member | None) -> float | None:
         """User + system CPU of every process the member ever ran (its cgroup's cpu.stat)."""
@@ -534,8 +557,10 @@ Subsystem sftp {sftp}
     def nas_url(self) -> str:
         return f"sftp://root@{self.nas.address}{self.nas_hub}"
 
-    def _write_manifest(self, path: Path | None = None, extra: dict[str, str] | None = None) -> Path:
-        lines = ["[nas]", f'hub = "{self.nas_url}"', f'\n[models."{MODEL}"]']
+    def _write_manifest(self, path: Path | None = None, extra: dict[str, str] | None = None,
+                        fast_nas: bool | None = None) -> Path:
+        fast = self.config.fast_nas if fast_nas is None else fast_nas
+        lines = ["[nas]", f'hub = "{self.nas_hub if fast else self.nas_url}"', f'\n[models."{MODEL}"]']
         for rank, member in enumerate(self.nodes.values()):
             lines += [f"\n[nodes.{member.name}]", f'hub = "{self.staged_hub(member.name)}"', f'models = ["{MODEL}"]',
                       f"rank = {rank}", f'address = "root@{member.address}"', (extra or {}).get(member.name, "")]
@@ -545,9 +570,10 @@ Subsystem sftp {sftp}
             self.manifest = path
         return path
 
-    def manifest_with(self, name: str, extra: dict[str, str]) -> Path:
-        """Another manifest for the same lab, with extra lines per node (e.g. a `source`)."""
-        return self._write_manifest(self.root / name, extra)
+    def manifest_with(self, name: str, extra: dict[str, str], fast_nas: bool | None = None) -> Path:
+        """Another manifest for the same lab, with extra lines per node (e.g. a `source`), and the
+        NAS as a path every namespace reads (`fast_nas`) or over SSH."""
+        return self._write_manifest(self.root / name, extra, fast_nas)
 
     def describe(self) -> dict:
         return {"run": self.run_id, "root": str(self.root), "bridge": self.bridge, "manifest": str(self.manifest),
@@ -706,9 +732,37 @@ def run_cgroup(run_id: str) -> Path | None:
     return root / f"stager-lab-{run_id}" if root else None
 
 
+def quota_root(run_id: str) -> Path:
+    """The run's cgroup v1 cpu group, which holds each node's quota group."""
+    if not CPU_V1.is_dir():
+        raise LabError(f"--cpu-quota needs cgroup v1's cpu controller at {CPU_V1}")
+    return CPU_V1 / f"stager-lab-{run_id}"
+
+
+def remove_quota_cgroups(run_id: str) -> None:
+    """Remove the run's cgroup v1 quota groups; a process still in one (v1 has no cgroup.kill) is
+    killed first."""
+    root = CPU_V1 / f"stager-lab-{run_id}"
+    if not root.is_dir():
+        return
+    deadline = time.monotonic() + 10
+    for path in [*(child for child in root.iterdir() if child.is_dir()), root]:
+        while path.exists():
+            try:
+                path.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                for pid in (path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.1)
+
+
 def remove_cgroups(run_id: str) -> None:
     """Kill whatever is still in the run's cgroups (cgroup.kill), then remove them. A cgroup
     cannot be removed while a dying process is still leaving it, so this waits a little."""
+    remove_quota_cgroups(run_id)
     group = run_cgroup(run_id)
     if group is None or not group.exists():
         return
@@ -867,7 +921,7 @@ def leftovers(run_id: str) -> dict[str, list]:
             "qdiscs": [line for line in run(["tc", "qdisc", "show"], check=False).stdout.splitlines()
                        if f"sl{run_id}" in line],
             "processes": [pid for rid, pid in marked_processes() if rid == run_id],
-            "cgroups": [str(g) for g in (run_cgroup(run_id),) if g and g.exists()],
+            "cgroups": [str(g) for g in (run_cgroup(run_id), CPU_V1 / f"stager-lab-{run_id}") if g and g.exists()],
             "files": [p for p in (STATE_DIR / f"{run_id}.json",) if p.exists()]
                      + list(Path(tempfile.gettempdir()).glob(f"stlab-{run_id}-*"))}
 
@@ -892,7 +946,7 @@ def parse_slow(text: str) -> tuple[str, float]:
 
 def config_from(args) -> LabConfig:
     return LabConfig(nodes=args.nodes, rate_mbit=args.rate, size=args.size, files=args.files,
-                     slow=tuple(args.slow or ()))
+                     slow=tuple(args.slow or ()), fast_nas=args.fast_nas, cpu_quota=args.cpu_quota)
 
 
 def add_lab_options(parser: argparse.ArgumentParser) -> None:
@@ -902,6 +956,11 @@ def add_lab_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--files", type=int, default=6, help="how many shards the model has (6)")
     parser.add_argument("--slow", type=parse_slow, action="append", metavar="NODE=MBIT",
                         help="a node shaped to its own rate (repeatable), e.g. dgx3=25")
+    parser.add_argument("--fast-nas", action="store_true",
+                        help="the manifest's nas.hub is the NAS's directory, which every namespace reads past "
+                             "the shaped links (a fast NFS mount's stand-in)")
+    parser.add_argument("--cpu-quota", type=float, metavar="CORES",
+                        help="cap each node's processes at CORES cores (cgroup v1 cpu.cfs_quota_us), e.g. 0.25")
 
 
 def main(argv: list[str] | None = None) -> int:

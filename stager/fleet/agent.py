@@ -25,6 +25,7 @@ import time
 from typing import Callable
 
 from stager.base.errors import EXIT_OK, EXIT_PROBLEMS, ending
+from stager.fleet import probe
 from stager.fleet.broadcast.relay import Relay
 from stager.fleet.node import LABEL, LOCK_WAIT
 from stager.fleet.report import Progress
@@ -91,6 +92,26 @@ class NodeAgent:
 
     def close(self) -> dict:
         return self.relay.close()
+
+    # ---- the driver's measures, for its choice of transport (choice.py, probe.py) ----------------
+
+    def probe_nas(self, rel: str, cap: int) -> tuple[float, float]:
+        """Bytes per second this node reads `rel` from the NAS at, now; and the most its cores
+        could give a relay."""
+        return probe.read_nas(self.digests.source, rel, cap), probe.relay_ceiling()
+
+    def probe_cpu(self) -> float:
+        return probe.relay_work()
+
+    def probe_payload(self, size: int) -> bytes:
+        return probe.payload(size)
+
+    def probe_pull(self, refs: list) -> float:
+        """Bytes per second of pulls of refs (a small and a large payload; in a list, or Ray would
+        fetch them before the call) from their node."""
+        import ray
+
+        return probe.pull(*refs, ray)
 
 
 def start_agents(ray, manifest_path: str, names: list[str], seed: int, full: bool = False) -> dict:

@@ -23,6 +23,7 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from stager.base.errors import BadInput
 from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
@@ -30,6 +31,9 @@ from stager.fleet.liveness import LOOK_INTERVAL, SILENCE, Pings, Watch, gather, 
 from stager.fleet.node import LABEL, LOCK_WAIT, mirror_options, node_argv, run_on_node
 from stager.fleet.report import Delivery, FleetReport, NodeRun, from_answer, stalled, unreachable
 from stager.manifest import Manifest
+
+if TYPE_CHECKING:
+    from stager.fleet.choice import Choice
 
 TRANSPORTS = ("broadcast", "sftp", "nas")
 
@@ -52,6 +56,8 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
         raise BadInput(f"{manifest.path}: nodes: no nodes to run on")
     for name in names:
         manifest.node(name)
+    # Told nothing, the broadcast chooses per group between itself and direct reads (choice.py).
+    choosing = transport is None and not fan_out
     transport = choose_transport(manifest, command, names, fan_out, transport)
     port_range = parse_ports(ports)
     if port_range and transport != "broadcast":
@@ -63,17 +69,19 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     # Ray prints what its raylets report (a worker killed, ...) on this process's stdout, where
     # --json promises one object: while Ray is up, whatever it prints goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-        address, auth, runs, delivered = _run(ray, manifest, command, names, transport, port_range, options,
-                                              started, timeout, allow_unauthenticated)
+        address, auth, runs, delivered, choice = _run(ray, manifest, command, names, transport, port_range, options,
+                                                      started, timeout, allow_unauthenticated, choosing)
+    if choice is not None:
+        transport = choice.transport
     if transport is not None:
         runs = {name: with_delivery(manifest, runs[name], transport, delivered.get(name)) for name in names}
     return FleetReport(command, tuple(runs[name] for name in names), time.monotonic() - started,
-                       transport == "sftp", address, auth, transport)
+                       transport == "sftp", address, auth, transport, choice)
 
 
 def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str | None,
          port_range: tuple[int, int] | None, options: tuple[str, ...], started: float, timeout: float,
-         allow_unauthenticated: bool):
+         allow_unauthenticated: bool, choosing: bool):
     address, auth = connect(ray, min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
     delivered: dict[str, dict] = {}
     try:
@@ -84,6 +92,7 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
             runs = stage_by_tree(driver, names)
         elif transport == "broadcast":
             driver.options = ("--wait", f"{LOCK_WAIT:g}", *options)
+            driver.choosing = choosing
             delivered = broadcast_shared(driver, names, port_range)
             runs = driver.all_at_once([name for name in names if name not in driver.started()])
             for name, why in driver.replaced.items():
@@ -94,7 +103,7 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
     finally:
         driver.end_agents()
         ray.shutdown()
-    return address, auth, runs, delivered
+    return address, auth, runs, delivered, driver.choice
 
 
 def choose_transport(manifest: Manifest, command: str, names: list[str], fan_out: bool,
@@ -144,6 +153,7 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
     closing mirrors."""
     from stager.fleet.agent import start_agents
     from stager.fleet.broadcast.chain import broadcast
+    from stager.fleet.choice import Choice, Probes, choose
     from stager.fleet.needs import shared_files
 
     manifest = driver.manifest
@@ -158,11 +168,18 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
     # One seed for the run: every node samples the same regions, so one node's sample serves all.
     watch = driver.watch_agents(start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32),
                                              full="--full" in driver.options))
+    probes = Probes(driver.ray, driver.agents, watch, manifest.fleet) if driver.choosing else None
 
     def plan():
         refs = {driver.agents[name].plan.remote(driver.budget()): name for name in able}
         answers = gather(driver.ray, refs, watch, driver.deadline)  # a stalled node's plan is not waited for
-        return shared_files(manifest, {name: driver.node_run(answer, name) for name, answer in answers.items()})
+        groups = shared_files(manifest, {name: driver.node_run(answer, name) for name, answer in answers.items()})
+        if probes is None:
+            return groups
+        rates = probes.rates(groups)
+        driver.choice = Choice(tuple(choose(groups, rates)), rates)
+        # A group read directly is each node's closing mirror's to copy from the NAS.
+        return [group for group, chosen in zip(groups, driver.choice.groups) if chosen.transport == "broadcast"]
 
     reserve = min(300.0, 0.3 * driver.timeout)
     # Each node's closing mirror starts as soon as its relay has its last file: a slow node at the
@@ -238,6 +255,8 @@ class Driver:
     agents: dict = field(default_factory=dict)  # node -> its broadcast agent (agent.py), for this run
     replaced: dict[str, str] = field(default_factory=dict)  # node -> why its agent's part fell back to a task
     watch: Watch | None = None  # the agents' answers, while there are agents
+    choosing: bool = False  # the broadcast chooses per group between itself and direct reads
+    choice: Choice | None = None  # what it chose, once the groups are known
 
     def __post_init__(self):
         self.task = self.ray.remote(num_cpus=0, max_retries=0)(run_on_node)

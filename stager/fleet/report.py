@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from stager.base.errors import EXIT_CANNOT_RUN, EXIT_OK
 from stager.base.units import format_size
+
+if TYPE_CHECKING:
+    from stager.fleet.choice import Choice
 
 ALLOW_OPEN = "--allow-unauthenticated-cluster"
 # What the table's "bytes" column shows for each command (verify moves no bytes; prune: bytes freed).
@@ -99,6 +103,7 @@ class FleetReport:
     # went ahead under --allow-unauthenticated-cluster; "unchecked": the check had no clear answer.
     cluster_auth: str = "token"
     transport: str | None = None  # mirror: "broadcast", "sftp" or "nas"
+    choice: Choice | None = None  # mirror, told no transport: per group, the broadcast or direct reads, and why
 
     @property
     def nas_bytes(self) -> int | None:
@@ -126,6 +131,7 @@ class FleetReport:
         return {"command": self.command, "exit_code": self.exit_code, "seconds": round(self.seconds, 3),
                 "fan_out": self.fan_out, "ray_address": self.ray_address, "cluster_auth": self.cluster_auth,
                 "copied_from": self.copied_from, "transport": self.transport, "nas_bytes": self.nas_bytes,
+                "choice": self.choice.to_json() if self.choice else None,
                 "nodes": {run.node: run.to_json() for run in self.runs}}
 
 
@@ -238,6 +244,8 @@ def table(report: FleetReport, problems_per_node: int = 5) -> list[str]:
         summary += "; copied " + ", ".join(f"{format_size(n)} from {src}" for src, n in copied.items())
     if mirror:
         summary += f"; {format_size(report.nas_bytes or 0)} read from the NAS ({report.transport})"
+    if report.choice is not None:
+        lines.extend(report.choice.lines())
     if report.cluster_auth != "token":
         lines.append(f"warning: the Ray cluster's authentication is {report.cluster_auth} ({ALLOW_OPEN})")
     lines.append(f"fleet {report.command}: {summary} in {report.seconds:.1f}s (exit {report.exit_code})")

@@ -20,6 +20,8 @@ import pytest
 from fleet_lab import MARK, NS_PREFIX, leftovers, present_runs, run
 from fleet_lab_fixtures import (WIRE_OVERHEAD, FleetRun, assert_every_byte_right,  # noqa: F401
                                 broadcast_sample_allowance, fleet, lab, lab_missing, mirror, sample_allowance)
+from stager.fleet.choice import PROBE_SHARE
+from stager.fleet.probe import PROBE_MIN
 from stager.fleet.liveness import SILENCE
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "lab" / "fleet_lab.py"
@@ -348,3 +350,48 @@ def test_a_node_at_a_quarter_of_the_rate_does_not_hold_the_others_back(lab, clea
     assert_every_byte_right(lab)
     others = max(landed_at(lab, n, started) for n in nodes if n != slow)
     assert others <= 1.25 * clean_landed + 2.0, (others, clean_landed)
+
+
+# ---- never slower than direct reads: the driver's choice (fleet/choice.py) ---------------------------
+
+def test_told_nothing_the_driver_keeps_the_broadcast_on_the_usual_lab(lab):
+    """The NAS's one uplink is no faster than a node's link: the head reading it alone is no
+    faster than the chain could carry, so nothing more of the NAS is measured, and the broadcast
+    runs as ever, within its NAS bytes."""
+    data, nodes = lab.data_bytes, list(lab.nodes)
+    run = mirror(lab)
+    assert run.code == 0, run.stderr
+    report = run.report
+    assert report["transport"] == "broadcast"
+    assert [group["transport"] for group in report["choice"]["groups"]] == ["broadcast"], report["choice"]
+    rates = report["choice"]["rates"]
+    assert set(rates["link"]) == set(nodes) and rates["nas_alone"] > 0 and rates["nas_each"] == {}, rates
+    assert all(report["nodes"][n]["peer_bytes"] > 0 for n in nodes[1:])
+    probed = max(PROBE_MIN, PROBE_SHARE * data)  # by the head alone
+    assert run.nas_sent <= WIRE_OVERHEAD * (1.02 * data + probed + broadcast_sample_allowance(len(nodes)))
+    assert_every_byte_right(lab)
+
+
+def test_a_nas_faster_than_the_links_flips_the_choice_to_direct_reads(lab):
+    """The NAS as a path every namespace reads at the disk's rate (a fast NFS mount's stand-in):
+    every node reads it itself, nothing crosses the links, and the run takes about what direct
+    reads take, far less than the broadcast, all three in the same test."""
+    nodes = list(lab.nodes)
+    manifest = lab.manifest_with("fast-nas.toml", {}, fast_nas=True)
+    chosen = mirror(lab, manifest=manifest)
+    assert chosen.code == 0, chosen.stderr
+    report = chosen.report
+    assert report["transport"] == "nas", report["choice"]
+    [group] = report["choice"]["groups"]
+    assert group["transport"] == "nas" and group["nodes"] == nodes
+    assert group["seconds"]["nas"] < group["seconds"]["broadcast"], group
+    rates = report["choice"]["rates"]
+    assert min(rates["nas_each"].values()) > max(rates["link"].values()), rates
+    assert all(report["nodes"][n]["peer_bytes"] == 0 and report["nodes"][n]["transport"] == "nas" for n in nodes)
+    assert chosen.nas_sent < 0.01 * lab.data_bytes, chosen.nas  # no byte went over the NAS's shaped link
+    assert_every_byte_right(lab)
+    direct = mirror(lab, "--transport", "nas", manifest=manifest)
+    forced = mirror(lab, *BROADCAST, manifest=manifest)
+    assert direct.code == forced.code == 0, (direct.stderr, forced.stderr)
+    assert chosen.seconds <= 1.5 * direct.seconds and chosen.seconds < forced.seconds, (
+        chosen.seconds, direct.seconds, forced.seconds)

@@ -1,0 +1,255 @@
+"""Never slower than direct reads: the driver's choice, per group of files two or more nodes need,
+between the broadcast and every node reading the NAS itself.
+
+A group goes down its chain at the rate of the chain's slowest member: the head reading the NAS by
+itself, each other node receiving from the one before it (its link, or its CPU for a relay's work);
+read directly, each node reads it at what the NAS gives it while every node of the group reads at
+once. The driver takes the faster, by time: the broadcast's S / rate plus a chunk's time per hop,
+against S / the slowest node's direct rate. A group read directly is left to each node's closing
+mirror, which copies it from the NAS as `--transport nas` would.
+
+The rates are told in the manifest (`[fleet]`: nas_rate, nas_node_rate, relay_rate) or measured in
+the first second of the run, each only when it can change the choice (probe.py, in the agents):
+the links into each node while the agents plan (Ray's own transfer, one hop of a ring each); then
+the head reading the NAS alone; then, only if that is faster than the links, every node reading it
+at once; then, only if the broadcast still wins, what each node's CPU gives a relay. So on the
+usual cluster, a NAS no faster than one link, the NAS gives the measures a few MiB: at most
+PROBE_SHARE of the data, by one node.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from stager.base.units import format_size
+from stager.fleet.broadcast.relay import CHUNK, Share
+from stager.fleet.probe import PAYLOAD_BYTES
+from stager.fleet.liveness import Watch, gather
+from stager.manifest import FleetConfig
+
+# What the measures may read of the NAS, as a share of the data they decide for (and at least
+# probe.PROBE_MIN each): by the head alone; then, only on a NAS at least NAS_MARGIN times faster
+# than the slowest hop of the chain, by every node at once, EACH_SHARE between them.
+PROBE_SHARE = 0.0025
+EACH_SHARE = 0.02
+# Below it, direct reads could beat the chain only on a NAS that serves every node at once as fast
+# as it serves one, and by less than this factor; measured on the lab, one SFTP stream and a Ray
+# pull over links of the NAS's own rate differ by up to 1.3x (docs/fleet.md).
+NAS_MARGIN = 1.5
+PROBE_WAIT = 10.0  # seconds: a probe not answered by then is not waited for (its rate is unknown)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the driver knows of the paths bytes can take, in bytes per second, and how it knows
+    each (`told` in the manifest, else measured; None: not needed for the choice, not measured)."""
+
+    nas_alone: float | None = None  # one node reading the NAS by itself: the broadcast's head
+    nas_each: dict[str, float] = field(default_factory=dict)  # each node, every node reading at once
+    link: dict[str, float] = field(default_factory=dict)  # bytes reaching each node from the one before it
+    cpu: dict[str, float] = field(default_factory=dict)  # what each node's CPU gives a relay's work
+    ceiling: dict[str, float] = field(default_factory=dict)  # the most each node's cores could give a relay
+    told: tuple[str, ...] = ()  # the [fleet] keys these came from
+
+    def relay(self, node: str) -> float | None:
+        """What `node` can receive and pass on: the least of its link and its CPU, as known."""
+        known = [rate for rate in (self.link.get(node), self.cpu.get(node)) if rate]
+        return min(known) if known else None
+
+    def to_json(self) -> dict:
+        return {key: (round(value) if isinstance(value, float) else
+                      {name: round(rate) for name, rate in value.items()} if isinstance(value, dict) else value)
+                for key, value in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class GroupChoice:
+    """How one group's files move, and why: each transport's time as the rates predict it, and
+    what sets the chosen one's pace."""
+
+    nodes: tuple[str, ...]
+    files: int
+    bytes: int
+    transport: str  # "broadcast" or "nas"
+    seconds: dict[str, float | None]  # predicted: {"broadcast": ..., "nas": ...}; None where unknown
+    limit: str  # what the chosen transport waits on, in words
+
+    def to_json(self) -> dict:
+        return {"nodes": list(self.nodes), "files": self.files, "bytes": self.bytes, "transport": self.transport,
+                "seconds": {k: None if v is None else round(v, 2) for k, v in self.seconds.items()},
+                "limit": self.limit}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The run's choice: every group's, and the rates behind them."""
+
+    groups: tuple[GroupChoice, ...]
+    rates: Rates
+
+    @property
+    def transport(self) -> str:
+        """The run's transport: the broadcast if any group takes it, else direct reads ("nas")."""
+        return "broadcast" if any(group.transport == "broadcast" for group in self.groups) else "nas"
+
+    def to_json(self) -> dict:
+        return {"groups": [group.to_json() for group in self.groups], "rates": self.rates.to_json()}
+
+    def lines(self) -> list[str]:
+        """For the table: one line per group, with the rates it was chosen on."""
+        return [_line(group, self.rates) for group in self.groups]
+
+
+def choose(groups: list[tuple[tuple[str, ...], tuple[Share, ...]]], rates: Rates) -> list[GroupChoice]:
+    """Each group's transport, by the rates (pure). Without a direct rate for a node (not needed:
+    the NAS alone was no faster than the chain), the broadcast."""
+    return [_group_choice(members, files, rates) for members, files in groups]
+
+
+def _group_choice(members: tuple[str, ...], files: tuple[Share, ...], rates: Rates) -> GroupChoice:
+    size = sum(share.size for share in files)
+    broadcast_rate, bound = _broadcast_rate(members, rates)
+    broadcast = size / broadcast_rate + (len(members) - 1) * CHUNK / broadcast_rate if broadcast_rate else None
+    direct_rates = [rates.nas_each.get(name) for name in members]
+    direct = size / min(direct_rates) if direct_rates and all(direct_rates) else None
+    if direct is not None and (broadcast is None or direct < broadcast):
+        slowest = min(members, key=lambda name: rates.nas_each[name])
+        return GroupChoice(members, len(files), size, "nas", {"broadcast": broadcast, "nas": direct},
+                           f"each node reads the NAS at {_rate(rates.nas_each[slowest])} with {len(members)} "
+                           f"reading ({slowest} the slowest)")
+    return GroupChoice(members, len(files), size, "broadcast", {"broadcast": broadcast, "nas": direct}, bound)
+
+
+def _broadcast_rate(members: tuple[str, ...], rates: Rates) -> tuple[float | None, str]:
+    """The chain's rate (or the most it could be, as far as the rates are known), and what sets
+    it: the head's NAS read, a link into a node after it, or a node's CPU."""
+    candidates = [(rates.nas_alone, f"its head reads the NAS at {_rate(rates.nas_alone)}")] if rates.nas_alone else []
+    for index, name in enumerate(members):
+        link, cpu, ceiling = rates.link.get(name), rates.cpu.get(name), rates.ceiling.get(name)
+        if link and index:
+            candidates.append((link, f"{name} receives at {_rate(link)} from the node before it"))
+        if cpu:
+            candidates.append((cpu, f"{name}'s CPU carries a relay at {_rate(cpu)}"))
+        if ceiling:
+            candidates.append((ceiling, f"{name}'s cores carry a relay at {_rate(ceiling)} at most"))
+    if not candidates:
+        return None, "no rate known"
+    return min(candidates, key=lambda item: item[0])
+
+
+def _rate(rate: float | None) -> str:
+    return "?" if rate is None else f"{format_size(int(rate))}/s"
+
+
+def _line(group: GroupChoice, rates: Rates) -> str:
+    how = "the broadcast" if group.transport == "broadcast" else "direct reads"
+    other = "nas" if group.transport == "broadcast" else "broadcast"
+    versus = (f"{group.seconds[group.transport]:.1f}s against {group.seconds[other]:.1f}s"
+              if group.seconds[group.transport] is not None and group.seconds[other] is not None else
+              f"{group.seconds[group.transport] or 0:.1f}s")
+    told = f" (told: {', '.join(rates.told)})" if rates.told else ""
+    return (f"transport: {how} for {group.files} files ({format_size(group.bytes)}) on {', '.join(group.nodes)}: "
+            f"{versus} predicted; {group.limit}{told}")
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+
+class Probes:
+    """The run's measures, started as soon as the agents are (the links, while they plan), and
+    completed once the groups are known, each only if it can change the choice."""
+
+    def __init__(self, ray, agents: dict, watch: Watch, told: FleetConfig):
+        self.ray, self.agents, self.watch, self.told = ray, agents, watch, told
+        self.links: dict = {}  # the link probes still out: ObjectRef -> the node pulling
+        self.link_rates: dict[str, float] = {}
+        names = list(agents)
+        if told.relay_rate is None and len(names) >= 2:
+            # A ring: each node pulls from the one before it (the head from the last), so every
+            # node's downlink and every node's uplink is measured once, all at the same time.
+            payloads = {name: [agents[name].probe_payload.remote(size) for size in PAYLOAD_BYTES] for name in names}
+            self.links = {agents[name].probe_pull.remote(payloads[names[index - 1]]): name
+                          for index, name in enumerate(names)}
+            self._payloads = payloads
+
+    def rates(self, groups: list[tuple[tuple[str, ...], tuple[Share, ...]]]) -> Rates:
+        told = self.told
+        keys = tuple(key for key in ("nas_rate", "nas_node_rate", "relay_rate") if getattr(told, key) is not None)
+        if not groups:
+            return Rates(told=keys)
+        names = [name for name in self.agents if any(name in members for members, _ in groups)]
+        largest = max((share for _, files in groups for share in files), key=lambda share: share.size)
+        data = sum(share.size for _, files in groups for share in files)
+        nas_alone, ceiling = self._nas_alone(names[0], largest, int(PROBE_SHARE * data))
+        nas_each = self._nas_told(names)
+        # The links as far as they are in: on a NAS that outruns even the head's cores, waiting for
+        # them (a fifth of a second on the lab's links) cost a run that direct reads take in two.
+        link = self._links(names, wait=False)
+        gate = min([*link.values(), *ceiling.values()], default=None)
+        if not nas_each and nas_alone is not None and gate is not None and nas_alone <= NAS_MARGIN * gate:
+            link = self._links(names, wait=True)
+            gate = min([*link.values(), *ceiling.values()], default=None)
+        if not nas_each and nas_alone is not None and gate is not None and nas_alone > NAS_MARGIN * gate:
+            nas_each, ceiling = self._nas_each(names, largest, data)
+        upper = Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, ceiling=ceiling, told=keys)
+        if nas_each and all(group.transport == "nas" for group in choose(groups, upper)):
+            return upper  # direct reads beat the most the broadcast could do
+        link = self._links(names, wait=True)
+        cpu = self._cpu(names)
+        slowest = min((rate for rate in (Rates(link=link, cpu=cpu).relay(name) for name in names[1:]) if rate),
+                      default=None)
+        if not nas_each and nas_alone is not None and slowest is not None and nas_alone > NAS_MARGIN * slowest:
+            nas_each, ceiling = self._nas_each(names, largest, data)  # the CPU, not the link, holds the chain back
+        return Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, cpu=cpu, ceiling=ceiling, told=keys)
+
+    def _links(self, names: list[str], wait: bool) -> dict[str, float]:
+        """Each node's link from the one before it: told, or as measured (those in by now, unless
+        `wait`)."""
+        if self.told.relay_rate is not None:
+            return {name: float(self.told.relay_rate) for name in names}
+        if wait and self.links:
+            answers = gather(self.ray, self.links, self.watch, time.monotonic() + PROBE_WAIT)
+            self.links, self._payloads = {}, {}  # the payloads leave the object stores
+            self.link_rates.update({name: rate for name, rate in answers.items() if isinstance(rate, float)})
+        elif self.links:
+            ready, _ = self.ray.wait(list(self.links), num_returns=len(self.links), timeout=0)
+            for ref in ready:
+                name = self.links.pop(ref)
+                try:
+                    self.link_rates[name] = float(self.ray.get(ref))
+                except Exception:  # noqa: BLE001 - a probe that failed leaves its link unknown
+                    pass
+        return {name: rate for name, rate in self.link_rates.items() if name in names}
+
+    def _nas_alone(self, head: str, share: Share, cap: int) -> tuple[float | None, dict[str, float]]:
+        """The head's NAS rate, reading alone, and its relay ceiling."""
+        told = [rate for rate in (self.told.nas_rate, self.told.nas_node_rate) if rate is not None]
+        if told:
+            return float(min(told)), {}
+        answers = self._ask({head: self.agents[head].probe_nas.remote(share.source, cap)})
+        return (answers[head][0], {head: answers[head][1]}) if head in answers else (None, {})
+
+    def _nas_told(self, names: list[str]) -> dict[str, float]:
+        """Each node's direct rate as the manifest gives it: its own, or its share of the NAS."""
+        told = self.told
+        shared = told.nas_rate / len(names) if told.nas_rate is not None else None
+        known = [rate for rate in (shared, told.nas_node_rate) if rate is not None]
+        return {name: float(min(known)) for name in names} if known else {}
+
+    def _nas_each(self, names: list[str], share: Share, data: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Every node's NAS rate, all reading at once, and their relay ceilings."""
+        per_node = int(EACH_SHARE * data / len(names))
+        answers = self._ask({name: self.agents[name].probe_nas.remote(share.source, per_node) for name in names})
+        return ({name: rate for name, (rate, _) in answers.items()},
+                {name: ceiling for name, (_, ceiling) in answers.items()})
+
+    def _cpu(self, names: list[str]) -> dict[str, float]:
+        if self.told.relay_rate is not None:
+            return {}
+        return self._ask({name: self.agents[name].probe_cpu.remote() for name in names})
+
+    def _ask(self, calls: dict) -> dict:
+        """Each node's answer, those that came within PROBE_WAIT and did not fail."""
+        answers = gather(self.ray, {ref: name for name, ref in calls.items()}, self.watch,
+                         time.monotonic() + PROBE_WAIT)
+        return {name: answer for name, answer in answers.items() if not isinstance(answer, BaseException)}

@@ -1,0 +1,87 @@
+"""The driver's choice per group of files, between the broadcast and direct reads (fleet/choice.py):
+by the rates, as measured or as the manifest's [fleet] keys tell them. The choice made on a real
+cluster, measured, is tests/fleet/test_fleet_lab.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from stager.base.errors import BadInput
+from stager.fleet.broadcast.relay import Share
+from stager.fleet.choice import Probes, Rates, choose
+from stager.fleet.report import FleetReport, table
+from stager.manifest import FleetConfig, read_manifest
+
+MB = 1_000_000
+NODES = ("dgx1", "dgx2", "dgx3", "dgx4")
+GROUP = [(NODES, tuple(Share(f"blobs/{i}", f"models--m/blobs/{i}", 500 * MB) for i in range(4)))]
+
+
+def test_on_the_usual_cluster_the_nas_is_no_faster_than_a_link_and_the_broadcast_is_chosen():
+    """One NAS uplink like each node's: read alone it gives a node what a link does, and read by
+    every node at once a quarter of it each."""
+    rates = Rates(nas_alone=25 * MB, nas_each={name: 6.25 * MB for name in NODES},
+                  link={name: 25 * MB for name in NODES}, cpu={name: 400 * MB for name in NODES})
+    [chosen] = choose(GROUP, rates)
+    assert chosen.transport == "broadcast"
+    assert chosen.seconds["broadcast"] == pytest.approx(2000 / 25, rel=0.01) and chosen.seconds["nas"] == 320
+    # Without a direct rate (the NAS alone was no faster than the links: not measured), the broadcast.
+    assert choose(GROUP, Rates(nas_alone=25 * MB, link={name: 25 * MB for name in NODES}))[0].transport == "broadcast"
+
+
+def test_a_nas_faster_than_the_links_flips_the_choice_to_direct_reads():
+    rates = Rates(nas_alone=2000 * MB, nas_each={name: 600 * MB for name in NODES},
+                  link={name: 25 * MB for name in NODES})
+    [chosen] = choose(GROUP, rates)
+    assert chosen.transport == "nas" and chosen.seconds["nas"] < chosen.seconds["broadcast"]
+    assert "reads the NAS at" in chosen.limit and "with 4 reading" in chosen.limit
+
+
+def test_a_relay_held_back_by_its_cpu_loses_to_direct_reads_its_links_would_not():
+    fast_links = {name: 1200 * MB for name in NODES}
+    each = {name: 300 * MB for name in NODES}
+    assert choose(GROUP, Rates(nas_alone=900 * MB, nas_each=each, link=fast_links))[0].transport == "broadcast"
+    starved = {**{name: 1000 * MB for name in NODES}, "dgx3": 60 * MB}
+    [chosen] = choose(GROUP, Rates(nas_alone=900 * MB, nas_each=each, link=fast_links, cpu=starved))
+    assert chosen.transport == "nas" and chosen.seconds["broadcast"] == pytest.approx(2000 / 60, rel=0.01)
+
+
+def test_the_manifest_tells_the_rates_and_nothing_is_measured():
+    """All three [fleet] keys: the driver asks no node anything (no agents are even given)."""
+    told = FleetConfig(nas_rate=8000 * MB, nas_node_rate=3000 * MB, relay_rate=3000 * MB)
+    probes = Probes(None, dict.fromkeys(NODES), None, told)
+    rates = probes.rates(GROUP)
+    assert rates.nas_alone == 3000 * MB and rates.nas_each == dict.fromkeys(NODES, 2000 * MB)
+    assert rates.link == dict.fromkeys(NODES, 3000 * MB) and rates.cpu == {}
+    assert rates.told == ("nas_rate", "nas_node_rate", "relay_rate")
+    assert choose(GROUP, rates)[0].transport == "broadcast"  # 4 nodes share 8 GB/s: 2 GB/s each, below 3
+    slower = Probes(None, dict.fromkeys(NODES), None, FleetConfig(nas_rate=16000 * MB, nas_node_rate=3000 * MB,
+                                                                  relay_rate=1000 * MB)).rates(GROUP)
+    assert choose(GROUP, slower)[0].transport == "nas"
+
+
+def test_the_table_and_the_json_say_what_was_chosen_and_the_rates_behind_it():
+    from stager.fleet.choice import Choice
+
+    rates = Rates(nas_alone=2000 * MB, nas_each=dict.fromkeys(NODES, 600 * MB), link=dict.fromkeys(NODES, 25 * MB))
+    choice = Choice(tuple(choose(GROUP, rates)), rates)
+    report = FleetReport("mirror", (), 1.0, False, "head:6379", transport=choice.transport, choice=choice)
+    shown = report.to_json()
+    assert shown["transport"] == "nas"
+    assert shown["choice"]["groups"] == [{"nodes": list(NODES), "files": 4, "bytes": 2000 * MB, "transport": "nas",
+                                          "seconds": {"broadcast": 80.13, "nas": 3.33},
+                                          "limit": "each node reads the NAS at 572.20 MiB/s with 4 reading "
+                                                   "(dgx1 the slowest)"}]
+    assert shown["choice"]["rates"]["link"] == dict.fromkeys(NODES, 25 * MB)
+    lines = table(report)
+    assert any(line.startswith("transport: direct reads for 4 files (1.86 GiB) on dgx1, dgx2, dgx3, dgx4: "
+                               "3.3s against 80.1s predicted") for line in lines), lines
+
+
+@pytest.mark.parametrize("key", ["nas_rate", "nas_node_rate", "relay_rate"])
+@pytest.mark.parametrize("value", ["off", "0", "fast", "25Gbit"])
+def test_a_fleet_rate_that_is_not_one_exits_2_naming_the_key(key, value):
+    with pytest.raises(BadInput, match=rf"/m.toml: fleet\.{key}: expected bytes per second such as '10GB'"):
+        read_manifest({"nas": {"hub": "/nas"}, "fleet": {key: value}}, "/m.toml")
+    with pytest.raises(BadInput, match=r"fleet\.speed: unknown key"):
+        read_manifest({"nas": {"hub": "/nas"}, "fleet": {"speed": "1G"}}, "/m.toml")
