@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -14,13 +15,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "scripts"), str(REPO / "scripts" / "lab")]
-# Test modules are grouped by subsystem (tests/<package>/); a few share helpers across groups
-# (`holding`, `make_demo`, `offline_load`), imported by module name from any folder.
-for group in sorted((REPO / "tests").iterdir()):
-    if group.is_dir() and not group.name.startswith((".", "_")):
-        sys.path.insert(1, str(group))
 
 from hubgen import Hub  # noqa: E402
+
+BIN = Path(sys.executable).parent
+# The installed entry point, as an operator's shell runs it (`python -m stager` where none is installed).
+INSTALLED_STAGE = [str(BIN / "stage")] if (BIN / "stage").exists() else [sys.executable, "-m", "stager"]
 
 
 @dataclass
@@ -42,6 +42,14 @@ def run_stage(*args: str, env: dict | None = None, timeout: float = 120, cwd: Pa
         env={**os.environ, **(env or {})},
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def make_demo(where: Path) -> Path:
+    """scripts/make_demo_nas.py as the README runs it, in `where`; returns the manifest path."""
+    shutil.copytree(REPO / "scripts", where / "scripts")
+    subprocess.run([sys.executable, "scripts/make_demo_nas.py", "demo"], cwd=where, check=True,
+                   capture_output=True)
+    return where / "demo" / "cluster.toml"
 
 
 def sha256_file(path: Path) -> str:

@@ -1,5 +1,6 @@
-"""Shared machinery for the reliability suites: real faults (kill -9, tmpfs, read-only binds),
-a byte-level picture of a tree, and the invariants every fault must leave intact.
+"""Shared machinery for the reliability suites: real faults (kill -9, tmpfs, read-only binds, a
+writer holding its lock), a byte-level picture of a tree and of what huggingface_hub loads from it
+offline, and the invariants every fault must leave intact.
 
 The promise under test: never a wrong byte under a final name, never a write to the
 NAS, never a file from outside the hub staged, and a re-run always converges.
@@ -282,6 +283,24 @@ def assert_hub_truthful(local: Path, nas: Path, snap: Snapshot | None = None) ->
     return HubCheck(files, links, temps, ref_present)
 
 
+def offline_load(local: Path, revision: str = "main") -> dict[str, str]:
+    """What huggingface_hub itself reads from the node cache, offline: path -> sha256."""
+    code = (
+        "import hashlib, json, os, sys\n"
+        "from huggingface_hub import snapshot_download\n"
+        f"root = snapshot_download({MODEL!r}, revision={revision!r}, cache_dir=sys.argv[1])\n"
+        "out = {}\n"
+        "for d, _, names in os.walk(root):\n"
+        "    for n in names:\n"
+        "        p = os.path.join(d, n)\n"
+        "        out[os.path.relpath(p, root)] = hashlib.sha256(open(p, 'rb').read()).hexdigest()\n"
+        "print(json.dumps(out))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(local)], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
 _NAS_HASHES: dict[tuple, str] = {}
 
 
@@ -373,6 +392,31 @@ def kill_at(command: list[str], delay: float, *, after=None) -> tuple[int, str]:
 def copying(root: Path):
     """A trigger for kill_at: a temp file exists under `root`, so a copy is in flight."""
     return lambda: bool(temp_files(root))
+
+
+# Holds an exclusive flock on argv[1], as lock.writer_lock does, until its stdin closes.
+HOLDER = r"""
+import fcntl, os, sys
+path = sys.argv[1]
+os.makedirs(os.path.dirname(path), exist_ok=True)
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.write(fd, f"{os.getpid()}\n".encode())
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def holding(lock: Path) -> Iterator[subprocess.Popen]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        yield proc
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,8 @@ import pytest
 import typer
 
 from conftest import run_stage
-from reliability_support import STAGE, build_staging
+from reliability_support import STAGE, build_staging, holding
 from stager.cli.app import app
-from test_audit_live import holding
 
 BAD_FLOATS = ["nan", "NaN", "inf", "-inf", "Infinity", "1e999"]
 

@@ -20,19 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_manifest
+from conftest import BIN, INSTALLED_STAGE, make_demo, write_manifest
 from hubgen import Hub, add_engram_checkpoint, streamed_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-STAGE = [str(BIN / "stage")] if (BIN / "stage").exists() else [sys.executable, "-m", "stager"]
 TEMP = re.compile(r"\.stage-[0-9a-f]{8}\.tmp$")  # atomic.py's temp names
 MiB = 1024 * 1024
 
 
 def stage(*args, cwd=None, env=None, timeout=300, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([*STAGE, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                          env={**_clean_env(), **(env or {})}, **kwargs)
+    return subprocess.run([*INSTALLED_STAGE, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env={**_clean_env(), **(env or {})}, **kwargs)
 
 
 def _clean_env() -> dict:
@@ -50,14 +48,6 @@ def shell(script: str, cwd, env=None, timeout=300) -> subprocess.CompletedProces
 
 def temp_files(root: Path) -> list[str]:
     return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if TEMP.search(n)]
-
-
-def make_demo(where: Path) -> Path:
-    """scripts/make_demo_nas.py as the README runs it, in `where`; returns the manifest path."""
-    shutil.copytree(REPO / "scripts", where / "scripts")
-    subprocess.run([sys.executable, "scripts/make_demo_nas.py", "demo"], cwd=where, check=True,
-                   capture_output=True)
-    return where / "demo" / "cluster.toml"
 
 
 def sh_blocks(markdown: str) -> list[str]:
@@ -229,8 +219,8 @@ def big_manifest(big_nas: Path, where: Path) -> Path:
 def signal_when(command: list[str], ready, sig: int, cwd=None, timeout: float = 120):
     """Start `command`, send `sig` as soon as `ready(pid)` holds, return (exit code, stderr, seconds
     from the signal to the exit). Fails if the command ends before it was ever ready."""
-    proc = subprocess.Popen([*STAGE, *map(str, command)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=cwd, env=_clean_env())
+    proc = subprocess.Popen([*INSTALLED_STAGE, *map(str, command)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=cwd, env=_clean_env())
     deadline = time.monotonic() + timeout
     while not ready(proc.pid):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -340,8 +330,9 @@ def test_signal_during_verify_stops_the_queued_hashing(big_nas, tmp_path, sig):
             at_signal.append(done)
         return bool(at_signal)
 
-    proc = subprocess.Popen([*STAGE, "verify", "--node", "dgx1", "--full", "-j", "1", "--manifest", str(manifest)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env())
+    proc = subprocess.Popen([*INSTALLED_STAGE, "verify", "--node", "dgx1", "--full", "-j", "1",
+                             "--manifest", str(manifest)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_clean_env())
     while not hashing_a_weight_early(proc.pid):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.001)
@@ -469,7 +460,7 @@ def test_a_read_only_mount_is_named(shared_demo):
     engram.mkdir()
     hub1 = where / "demo" / "nvme"
     hub1.mkdir()
-    stage_cmd = " ".join(STAGE)
+    stage_cmd = " ".join(INSTALLED_STAGE)
     # A private mount namespace: the read-only bind mounts vanish with the shell.
     result = subprocess.run(["unshare", "-m", "bash", "-c", f"""
         mount --make-rprivate /
@@ -556,13 +547,13 @@ def test_systemd_unit_stages_before_the_inference_service(tmp_path):
     assert exec_start.startswith("/usr/local/bin/stage mirror --node ")
     # The unit as systemd reads it, with ExecStart pointing at this install.
     local = tmp_path / "stage-mirror.service"
-    local.write_text(text.replace("/usr/local/bin/stage", STAGE[0]))
+    local.write_text(text.replace("/usr/local/bin/stage", INSTALLED_STAGE[0]))
     if shutil.which("systemd-analyze"):
         check = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True)
         assert check.returncode == 0 and check.stderr.strip() == "", check.stderr
     # Its ExecStart, with the unit's environment, stages the demo.
     manifest = make_demo(tmp_path)
-    command = exec_start.replace("/usr/local/bin/stage", STAGE[0]).replace("${STAGE_NODE}", "dgx1")
+    command = exec_start.replace("/usr/local/bin/stage", INSTALLED_STAGE[0]).replace("${STAGE_NODE}", "dgx1")
     result = shell(command, cwd=tmp_path, env={"STAGE_MANIFEST": str(manifest)})
     assert result.returncode == 0, result.stderr
 
@@ -629,8 +620,9 @@ def test_verify_while_a_mirror_writes_says_so(big_nas, tmp_path):
     (read from /proc/locks; the lock is not taken, so the mirror carries on and finishes)."""
     manifest = big_manifest(big_nas, tmp_path)
     hub = tmp_path / "nvme" / "hf" / "hub"
-    mirror = subprocess.Popen([*STAGE, "mirror", "--node", "dgx1", "--full", "-j", "1", "--manifest", str(manifest)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env())
+    mirror = subprocess.Popen([*INSTALLED_STAGE, "mirror", "--node", "dgx1", "--full", "-j", "1",
+                               "--manifest", str(manifest)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=_clean_env())
     while not temp_files(hub):
         assert mirror.poll() is None, mirror.communicate()
         time.sleep(0.002)
@@ -898,7 +890,7 @@ def test_ctrl_c_mid_copy_says_so_at_once_and_stops_at_the_next_chunk(tmp_path):
     manifest = write_manifest(tmp_path / "m.toml", tmp_path / "nas", node, {"acme/Slow": {}})
     rate = 16 * MiB
     with throttled_reads(tmp_path, rate) as procs:
-        proc = subprocess.Popen([*STAGE, "mirror", "--node", "dgx1", "-j", "1", "--manifest", str(manifest)],
+        proc = subprocess.Popen([*INSTALLED_STAGE, "mirror", "--node", "dgx1", "-j", "1", "--manifest", str(manifest)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env(),
                                 preexec_fn=lambda: procs.write_text(str(os.getpid())))
         deadline = time.monotonic() + 60

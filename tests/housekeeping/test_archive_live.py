@@ -15,11 +15,10 @@ import pytest
 
 from conftest import run_stage, sha256_file
 from ops_fixtures import MiB
-from reliability_support import bind, build_staging
+from reliability_support import bind, build_staging, holding
 from stager.base.atomic import is_temp_name
 from stager.mirror.records import read_sums
 from test_archive import parse_moved, sha256sum_check, write, write_big
-from test_audit_live import holding
 
 STAGE = [sys.executable, "-m", "stager"]
 

@@ -12,42 +12,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import run_stage
 from hubgen import build_demo
-from reliability_support import MiB, build_staging, needs_root, temp_files
+from reliability_support import MiB, build_staging, holding, needs_root, temp_files
 
 TWO_DAYS = 48 * 3600  # taken from the clock when a file is aged: the module may run minutes after it is imported
 FLASH_BLOBS = "models--acme--Flash-3bpw/blobs"
-
-# Holds an exclusive flock on argv[1], as lock.writer_lock does, until its stdin closes.
-HOLDER = r"""
-import fcntl, os, sys
-path = sys.argv[1]
-os.makedirs(os.path.dirname(path), exist_ok=True)
-fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-os.write(fd, f"{os.getpid()}\n".encode())
-print("locked", flush=True)
-sys.stdin.read()
-"""
-
-
-@contextlib.contextmanager
-def holding(lock: Path) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "locked"
-        yield proc
-    finally:
-        proc.stdin.close()
-        proc.wait(timeout=30)
-
 
 @pytest.fixture
 def demo(tmp_path: Path) -> dict:

@@ -21,6 +21,7 @@ import pytest
 
 from conftest import run_stage, write_manifest
 from hubgen import Hub, random_safetensors
+from other_users import as_user, python_for_others
 from reliability_support import needs_root, tmpfs
 
 WANTED, READ, IDLE = "acme/Model", "acme/A-read", "acme/B-idle"  # READ sorts (and is scanned) first
@@ -146,9 +147,7 @@ def test_pack_engram_and_its_verify_keep_the_atimes_of_the_checkpoint_and_the_sh
 def test_a_user_who_may_not_keep_atimes_still_reads(tmp_path):
     """O_NOATIME needs the file's owner (or CAP_FOWNER): another user's verify opens plainly, and
     its reads count as use, as any reader's would; the owner's keep the atimes."""
-    from test_group_hub import _as_user, _python_for_others
-
-    if os.geteuid() != 0 or shutil.which("setpriv") is None or _python_for_others() is None:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or python_for_others() is None:
         pytest.skip("needs root, setpriv and an interpreter other users can run")
     root = Path(tempfile.mkdtemp(prefix="stage-atime-"))
     try:
@@ -167,8 +166,8 @@ def test_a_user_who_may_not_keep_atimes_still_reads(tmp_path):
         set_atime(files, 10 * DAY)
         seen = atimes(files)
         assert stage(manifest, "verify", "--full").code == 0 and atimes(files) == seen
-        other = _as_user(_python_for_others(), 61999, 61999, 0o022, root, "verify", "--node", "dgx1",
-                         "--manifest", str(manifest), "--full", "--json")
+        other = as_user(python_for_others(), 61999, 61999, 0o022, root, "verify", "--node", "dgx1",
+                        "--manifest", str(manifest), "--full", "--json")
         assert other.returncode == 0, other.stdout + other.stderr
         assert any(atimes(files)[p] > seen[p] for p in seen)  # plain reads: relatime moved them
     finally:

@@ -11,36 +11,15 @@ import os
 import random
 import shutil
 import stat
-import subprocess
-import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from hubgen import random_safetensors
-from reliability_support import build_staging
+from other_users import as_user, python_for_others
+from reliability_support import build_staging, offline_load
 from stager.mirror import store_modes
-from test_reliability_live import offline_load
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _python_for_others() -> str | None:
-    """An interpreter another uid can run: this one, or the system's of the same version (a pyenv
-    build under root's home is not reachable by other users)."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for candidate in (sys.executable, shutil.which(version, path="/usr/bin:/bin"), f"/usr/bin/{version}"):
-        if candidate and os.path.exists(candidate) and _reachable(os.path.realpath(candidate)):
-            return candidate
-    return None
-
-
-def _reachable(path: str) -> bool:
-    """Whether every directory on the way to `path` lets others through, and others may run it."""
-    parts = Path(path).parents
-    return all(os.stat(p).st_mode & stat.S_IXOTH for p in parts) and bool(os.stat(path).st_mode & stat.S_IXOTH)
 
 
 @pytest.fixture
@@ -49,7 +28,7 @@ def group_root():
     unused uids sharing one unused gid."""
     if os.geteuid() != 0:
         pytest.skip("needs root for setpriv")
-    python = _python_for_others()
+    python = python_for_others()
     if python is None or shutil.which("setpriv") is None:
         pytest.skip("no interpreter other users can run, or no setpriv")
     root = Path(tempfile.mkdtemp(prefix="stage-group-"))
@@ -59,15 +38,6 @@ def group_root():
         yield root, python, (base + 1, base + 2), base
     finally:
         shutil.rmtree(root)
-
-
-def _as_user(python: str, uid: int, gid: int, umask: int, home: Path, *args: str) -> subprocess.CompletedProcess:
-    paths = [str(REPO_ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-    shell = f"umask {umask:03o} && exec \"$@\""
-    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "env", "-i",
-                           f"HOME={home}", f"PYTHONPATH={':'.join(paths)}", "PATH=/usr/bin:/bin",
-                           "/bin/sh", "-c", shell, "sh", python, "-m", "stager", *args],
-                          capture_output=True, text=True, timeout=120)
 
 
 def _shared_staging(root: Path, gid: int, hub_mode: int):
@@ -115,10 +85,10 @@ def test_two_users_of_a_group_mirror_a_setgid_hub_in_turn(group_root, umask, ord
         if turn:
             snap = _move_nas_ref(staging, turn)
         for command in (["mirror"], ["pack-engram"]):
-            result = _as_user(python, uid, gid, umask, homes[uid], *command, *manifest)
+            result = as_user(python, uid, gid, umask, homes[uid], *command, *manifest)
             assert result.returncode == 0, f"uid {uid} (turn {turn}) {command}: {result.stdout}{result.stderr}"
     for uid in users:
-        result = _as_user(python, uid, gid, umask, homes[uid], "verify", "--full", *manifest)
+        result = as_user(python, uid, gid, umask, homes[uid], "verify", "--full", *manifest)
         assert result.returncode == 0, f"uid {uid} verify: {result.stdout}{result.stderr}"
     # The bytes: huggingface_hub offline reads the NAS's bytes for the revision the NAS names now.
     assert (staging.local / staging.snapshot.repo.dir.name / "refs" / "main").read_text() == snap.commit
@@ -148,7 +118,7 @@ def test_a_private_hub_stays_private_whatever_the_umask(group_root):
     os.chown(home, owner, gid)
     manifest = ["--node", "dgx1", "--manifest", str(staging.manifest)]
     for command in (["mirror"], ["pack-engram"]):
-        result = _as_user(python, owner, gid, 0o000, home, *command, *manifest)
+        result = as_user(python, owner, gid, 0o000, home, *command, *manifest)
         assert result.returncode == 0, result.stdout + result.stderr
     for place in (staging.local, staging.engram_dir):
         for path in [place, *place.rglob("*")]:
@@ -156,5 +126,5 @@ def test_a_private_hub_stays_private_whatever_the_umask(group_root):
             # huggingface_hub's `.refs` are 0666 in any hub (store_modes.py), unreachable behind the 0700 hub.
             if not stat.S_ISLNK(st.st_mode) and not path.name.endswith(".refs"):
                 assert st.st_mode & 0o077 == 0, f"{path}: {stat.S_IMODE(st.st_mode):o}"
-    result = _as_user(python, other, gid, 0o002, home, "verify", *manifest)
+    result = as_user(python, other, gid, 0o002, home, "verify", *manifest)
     assert result.returncode == 3 and "ermission denied" in result.stderr, result.stdout + result.stderr

@@ -50,7 +50,7 @@ import pytest  # noqa: E402
 
 from conftest import run_stage, sha256_file  # noqa: E402
 from hubgen import Hub, random_safetensors  # noqa: E402
-from test_slurm import demo, loads_offline, slurmd_runs  # noqa: E402,F401  (demo is a fixture)
+from slurm_fixtures import demo, loads_offline, slurmd_runs  # noqa: E402,F401  (demo is a fixture)
 
 DRAFTER = "acme/Flash-drafter"
 NEW = "d" * 40

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_stage, sha256_file
+from conftest import INSTALLED_STAGE, run_stage, sha256_file
 from hubgen import build_demo
 from stager.engram.shard_format import HEADER_BYTES, ROW_BYTES
 from stager.mirror.fingerprint import HEAD_BYTES, safetensors_head, sample_spans
-from test_cli_contract import STAGE
 
 
 @pytest.fixture
@@ -39,7 +38,7 @@ def run_as_printed(command: str) -> subprocess.CompletedProcess:
     """The repair line as an operator pastes it: split by the shell's rules, `stage` the installed one."""
     argv = shlex.split(command)
     assert argv[0] == "stage", command
-    return subprocess.run([*STAGE, *argv[1:]], capture_output=True, text=True, timeout=300)
+    return subprocess.run([*INSTALLED_STAGE, *argv[1:]], capture_output=True, text=True, timeout=300)
 
 
 def sums_check(engram: Path) -> subprocess.CompletedProcess:

@@ -16,33 +16,14 @@ import pytest
 
 from conftest import run_stage, sha256_file, source_writer, write_manifest
 from hubgen import Hub, random_safetensors
-from reliability_support import (MODEL, STAGE, MiB, Staging, assert_hub_truthful, bind, build_staging, needs_root,
-                                 read_only_bind, run_json, temp_files, tree_state, untouched)
-
-OFFLINE = {"HF_HUB_OFFLINE": "1"}
+from reliability_support import (MODEL, STAGE, MiB, Staging, assert_hub_truthful, bind, build_staging, holding,
+                                 needs_root, offline_load, read_only_bind, run_json, temp_files, tree_state,
+                                 untouched)
 
 
 @pytest.fixture
 def staging(tmp_path: Path) -> Staging:
     return build_staging(tmp_path, shards=3, shard_bytes=2 * MiB)
-
-
-def offline_load(local: Path, revision: str = "main") -> dict[str, str]:
-    """What huggingface_hub itself reads from the node cache, offline: path -> sha256."""
-    code = (
-        "import hashlib, json, os, sys\n"
-        "from huggingface_hub import snapshot_download\n"
-        f"root = snapshot_download({MODEL!r}, revision={revision!r}, cache_dir=sys.argv[1])\n"
-        "out = {}\n"
-        "for d, _, names in os.walk(root):\n"
-        "    for n in names:\n"
-        "        p = os.path.join(d, n)\n"
-        "        out[os.path.relpath(p, root)] = hashlib.sha256(open(p, 'rb').read()).hexdigest()\n"
-        "print(json.dumps(out))\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(local)], capture_output=True, text=True,
-                          env={**os.environ, **OFFLINE}, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 def _manifest_for(staging: Staging, local: Path | str, nas: Path | str | None = None) -> Path:
@@ -450,8 +431,6 @@ def test_a_mirror_that_waited_for_the_lock_stages_the_ref_as_it_is_then(staging)
     """`stage mirror --wait` (the Slurm prolog's) reads the NAS's refs before it waits for another
     mirror; a ref moved during the wait is what it must stage once it holds the hub, not the commit
     it read before."""
-    from test_audit_live import holding
-
     assert staging.mirror().code == 0
     new = Hub(staging.nas).repo(MODEL).snapshot()
     new.add_lfs("model-00001-of-00001.safetensors", random_safetensors(91, 1 * MiB), shared=False)
