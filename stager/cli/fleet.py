@@ -15,7 +15,8 @@ from stager.cli import terminal
 
 fleet_app = typer.Typer(
     no_args_is_help=True,
-    help="Run a command on every node as Ray tasks; one table (or JSON object); exit code = worst node's.")
+    help="Run a command on every node as Ray tasks; one table (or JSON object) on stdout, a line per node "
+         "as it goes on a terminal's stderr; exit code = worst node's.")
 app.add_typer(fleet_app, name="fleet")
 
 NodesOpt = Annotated[Optional[str], typer.Option(
@@ -31,13 +32,17 @@ def _run(command: str, nodes: Optional[str], timeout: float, allow_unauthenticat
     from stager.manifest import load_manifest
 
     names = [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None
-    report = core.run_fleet(load_manifest(manifest), command, names, timeout=timeout,
-                            allow_unauthenticated=allow_unauthenticated, **options)
+    with terminal.live_lines(not json) as live:
+        report = core.run_fleet(load_manifest(manifest), command, names, timeout=timeout,
+                                allow_unauthenticated=allow_unauthenticated, show=live, warn=terminal.note,
+                                **options)
+    for line in core.notes(report):
+        terminal.say(line)
     if json:
         terminal.emit_json(report.to_json())
     else:
-        for line in core.table(report):
-            terminal.say(line)
+        for line in core.table(report, verbose=terminal.verbosity() >= terminal.VERBOSE):
+            terminal.report(line)
     raise typer.Exit(report.exit_code)
 
 
@@ -56,7 +61,7 @@ def fleet_mirror(
     bwlimit: Annotated[Optional[str], typer.Option(
         "--bwlimit", metavar="RATE", callback=check_rate,
         help="Each node reads at most RATE from its source (the NAS, or its peer with --transport sftp), as "
-             "stage mirror --bwlimit; not with the broadcast transport (docs/fleet.md)")] = None,
+             "stage mirror --bwlimit, and with the broadcast sends at most RATE to its peers")] = None,
     full: Annotated[bool, typer.Option(
         "--full", help="Check every byte against its content name (SHA-256 of an LFS blob, git's SHA-1 of a small "
                        "file), hashed once, by the node that reads it from the NAS")] = False,

@@ -7,20 +7,23 @@ the rest is discarded and the command still exits with its own code (see `_write
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import typer
 
+from stager.base import progress_pipe
 from stager.base.errors import EXIT_OK, EXIT_PROBLEMS
 from stager.base.text import known_as, printable
 from stager.base.units import format_size
 
 _json_emitted = False
+_live: "LiveLines | None" = None  # the lines being redrawn on stderr, while there are
 
 # How much goes to stderr beside the result (docs/design.md §7, "Verbosity"):
 # -1 (-q) errors only; 0 progress on a terminal and notes; 1 (-v) a line per file acted on, in
@@ -62,8 +65,12 @@ def report(text: str) -> None:
 
 
 def say(text: str) -> None:
-    """A line for the operator that is not the result (a note, a log line, an error), on stderr."""
-    _write(sys.stderr, text + "\n")
+    """A line for the operator that is not the result (a note, a log line, an error), on stderr;
+    above the live lines while they are drawn."""
+    if _live is not None:
+        _live.above(text + "\n")
+    else:
+        _write(sys.stderr, text + "\n")
 
 
 def note(text: str) -> None:
@@ -127,7 +134,11 @@ def exit_with(problems: list) -> None:
 
 def byte_progress(enabled: bool, desc: str) -> Callable[[int], Callable[[int], None]] | None:
     """A tqdm bar in bytes with rate and ETA, only on a terminal, never with --json or -q, and not
-    with -v, whose line per file would tear the bar."""
+    with -v, whose line per file would tear the bar. Run by `stage fleet` as a node's task, the
+    counts go to the task instead (base/progress_pipe.py), --json and all."""
+    piped = progress_pipe.from_environment()
+    if piped is not None:
+        return piped
     if not enabled or _level != NORMAL or not sys.stderr.isatty():
         return None
 
@@ -149,6 +160,49 @@ def byte_progress(enabled: bool, desc: str) -> Callable[[int], Callable[[int], N
         return update
 
     return factory
+
+
+class LiveLines:
+    """A line per node on stderr, redrawn in place as `docker pull` draws its layers: the cursor
+    goes back up over the block drawn last, and the block is written again. Each line is cut to
+    the terminal's width, so that none wraps (a wrapped line would throw the count of lines to go
+    back over off). Another stderr line of this process (`say`) is written where the block was,
+    and the block drawn again under it. Called with the new lines; they stay on the screen."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.drawn = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, lines: list[str]) -> None:
+        with self.lock:
+            self.lines = list(lines)
+            self._draw("")
+
+    def above(self, text: str) -> None:
+        with self.lock:
+            self._draw(text)
+
+    def _draw(self, above: str) -> None:
+        width = max(20, shutil.get_terminal_size((100, 20)).columns or 100) - 1
+        back = f"\x1b[{self.drawn}A\r\x1b[J" if self.drawn else ""
+        self.drawn = len(self.lines)
+        _write(sys.stderr, back + above + "".join(printable(line)[:width] + "\n" for line in self.lines))
+
+
+@contextlib.contextmanager
+def live_lines(enabled: bool) -> Iterator[LiveLines | None]:
+    """Lines redrawn in place on stderr, only on a terminal, never with --json (`enabled` False)
+    or -q: elsewhere (a pipe, a log file) redrawn lines are noise, and None is yielded."""
+    global _live
+    if not enabled or _level < NORMAL or not sys.stderr.isatty():
+        yield None
+        return
+    _live = LiveLines()
+    try:
+        yield _live
+    finally:
+        _live = None
 
 
 def print_problems(problems: list, *, to_stdout: bool = False) -> None:

@@ -3,13 +3,14 @@
 The rooms: `driver` decides which node runs what and collects what each reported; `cluster`
 joins the Ray cluster, and only one that refuses strangers; `node` is what runs inside a node's
 Ray task; `agent` is a broadcast node's actor for the run (its plan, relay and closing mirror in
-one process); `report` is the per-node outcome and the table; `sftp_tree` is the SFTP peer tree
-(--fan-out), and `broadcast/` the pipelined, keyed chain: transports, which move and check
-bytes; `needs` is the driver's decision of who needs which file.
+one process); `report` is the per-node outcome and the table; `live` is each node's part as it
+goes (a line per node on a terminal) and the warning for nodes that read the NAS instead of their
+peers; `sftp_tree` is the SFTP peer tree (--fan-out), and `broadcast/` the pipelined, keyed chain:
+transports, which move and check bytes; `needs` is the driver's decision of who needs which file.
 """
 
 from stager.fleet.driver import PruneOptions, run_fleet
 from stager.fleet.node import LABEL, node_argv
-from stager.fleet.report import FleetReport, NodeRun, table
+from stager.fleet.report import FleetReport, NodeRun, notes, table
 
-__all__ = ["LABEL", "FleetReport", "PruneOptions", "NodeRun", "node_argv", "run_fleet", "table"]
+__all__ = ["LABEL", "FleetReport", "PruneOptions", "NodeRun", "node_argv", "notes", "run_fleet", "table"]

@@ -22,6 +22,7 @@ import json
 import socket
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 from stager.base.errors import EXIT_OK, EXIT_PROBLEMS, ending
@@ -36,27 +37,47 @@ class NodeAgent:
     (open, run, reroute, close); the driver calls `plan` and `finish`, and `progress` once a
     second (liveness.Watch)."""
 
-    def __init__(self, node: str, manifest_path: str, seed: int, full: bool = False):
+    def __init__(self, node: str, manifest_path: str, seed: int, full: bool = False, bwlimit: int | None = None):
+        """`bwlimit` (bytes per second, --bwlimit): what the node reads from the NAS (its relay as a
+        chain's head or fallback, its samples, its closing mirror: one bucket), and, in a bucket
+        of its own, what its relay sends its downstreams."""
         from stager.base import hints
         from stager.mirror import pipeline as mirror
         from stager.manifest import load_manifest
         from stager.mirror.observe import DigestCache
+        from stager.sources.throttle import Throttle
 
         manifest = load_manifest(manifest_path)
         hints.use_manifest(manifest_path)  # a `repair:` line in a report names the run's manifest
         self.node = node
-        self.job = mirror.node_job(manifest, node, None, jobs=mirror.default_jobs(), seed=seed)
+        self.job = mirror.node_job(manifest, node, None, jobs=mirror.default_jobs(), seed=seed, bwlimit=bwlimit)
         # The job's source is the NAS: only nodes that stage from the NAS itself take part.
         self.digests = DigestCache(self.job.source, seed)
         self.full = full  # stage fleet mirror --full: the plan, the relay and the closing mirror alike
         self.relay = Relay(node, manifest.nodes[node].hub, self.digests, self.job.never_write, full)
+        self.relay.send_limit = Throttle(bwlimit) if bwlimit else None
         self.phase = "plan"
+        self.copying = (0, 0, 0)  # the closing mirror's bar: (step, bytes done, bytes to do)
 
     def progress(self) -> Progress:
         """What the node holds and where its bytes come from now, in its current phase: answered
         from counters, whatever its other calls are doing, so that an agent that does not answer
         is one that cannot (its processes stopped, its node hung), never one that is busy."""
-        return self.relay.progress(self.phase)
+        step, done, total = self.copying
+        return replace(self.relay.progress(self.phase), copy_done=done, copy_total=total, step=step)
+
+    def _count(self, total: int) -> Callable[[int], None]:
+        """The closing mirror's progress bar, kept for `progress` (a --full mirror has two: its
+        hashing of the node's files, then its copy)."""
+        step = self.copying[0] + 1
+        self.copying = (step, 0, total)
+        lock = threading.Lock()
+
+        def update(n: int) -> None:
+            with lock:
+                self.copying = (step, self.copying[1] + n, total)
+
+        return update
 
     # ---- the node-local command, in this process -------------------------------------------------
 
@@ -74,7 +95,7 @@ class NodeAgent:
 
         self.phase = "mirror"
         answer = _answer(lambda: mirror(self.job, full=self.full, dry_run=False, wait=LOCK_WAIT,
-                                        digests=self.digests), budget)
+                                        digests=self.digests, progress_factory=self._count), budget)
         self.phase = "done"
         return answer
 
@@ -114,12 +135,13 @@ class NodeAgent:
         return probe.pull(*refs, ray)
 
 
-def start_agents(ray, manifest_path: str, names: list[str], seed: int, full: bool = False) -> dict:
+def start_agents(ray, manifest_path: str, names: list[str], seed: int, full: bool = False,
+                 bwlimit: int | None = None) -> dict:
     """An agent on each named node, pinned by its label. Creation returns at once; an agent that
     cannot start shows when it is first called."""
     actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=32)(NodeAgent)
     return {name: actor.options(label_selector={LABEL: name}, name=f"stage fleet agent {name}").remote(
-        name, manifest_path, seed, full) for name in names}
+        name, manifest_path, seed, full, bwlimit) for name in names}
 
 
 def _answer(command: Callable, budget: float) -> dict:

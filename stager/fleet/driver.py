@@ -23,19 +23,21 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from stager.base.errors import BadInput
 from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
+from stager.fleet.live import Tracker
 from stager.fleet.liveness import LOOK_INTERVAL, SILENCE, Pings, Watch, gather, live_labels
 from stager.fleet.node import LABEL, LOCK_WAIT, mirror_options, node_argv, run_on_node
-from stager.fleet.report import Delivery, FleetReport, NodeRun, from_answer, stalled, unreachable
+from stager.fleet.report import NAS, Delivery, FleetReport, NodeRun, from_answer, stalled, unreachable
 from stager.manifest import Manifest
 
 if TYPE_CHECKING:
     from stager.fleet.choice import Choice
 
 TRANSPORTS = ("broadcast", "sftp", "nas")
+BARS = ("mirror", "verify")  # the commands whose node-local run counts its bytes as it goes
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,10 @@ class PruneOptions:
 def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
               fan_out: bool = False, transport: str | None = None, ports: str | None = None, full: bool = False,
               subset: str | None = None, prune: PruneOptions = PruneOptions(), bwlimit: str | None = None,
-              allow_unauthenticated: bool = False) -> FleetReport:
+              allow_unauthenticated: bool = False, show: Callable[[list[str]], None] | None = None,
+              warn: Callable[[str], None] | None = None) -> FleetReport:
+    """`show` is handed a line per node as the run goes (live.Tracker), `warn` the warning for
+    nodes that read the NAS instead of their peers, once."""
     names = list(dict.fromkeys(nodes or manifest.nodes))
     if not names:
         raise BadInput(f"{manifest.path}: nodes: no nodes to run on")
@@ -58,34 +63,40 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
         manifest.node(name)
     # Told nothing, the broadcast chooses per group between itself and direct reads (choice.py).
     choosing = transport is None and not fan_out
+    told = transport is not None or fan_out
     transport = choose_transport(manifest, command, names, fan_out, transport)
     port_range = parse_ports(ports)
     if port_range and transport != "broadcast":
         raise BadInput("--ports applies to the broadcast transport only (stage fleet mirror)")
     options = verify_options(command, full, subset) + prune_options(command, prune) + mirror_options(
-        command, transport, bwlimit)
+        command, bwlimit)
     ray = import_ray()
     started = time.monotonic()
+    tracker = Tracker(ray, command, names, show=show, warn=warn, board=show is not None and command in BARS,
+                      full=full)
+    if transport == "nas" and not told:
+        tracker.reads_nas(*everyone_reads_nas(manifest, names))
     # Ray prints what its raylets report (a worker killed, ...) on this process's stdout, where
     # --json promises one object: while Ray is up, whatever it prints goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
         address, auth, runs, delivered, choice = _run(ray, manifest, command, names, transport, port_range, options,
-                                                      started, timeout, allow_unauthenticated, choosing)
+                                                      started, timeout, allow_unauthenticated, choosing, tracker)
     if choice is not None:
         transport = choice.transport
     if transport is not None:
         runs = {name: with_delivery(manifest, runs[name], transport, delivered.get(name)) for name in names}
     return FleetReport(command, tuple(runs[name] for name in names), time.monotonic() - started,
-                       transport == "sftp", address, auth, transport, choice)
+                       transport == "sftp", address, auth, transport, choice,
+                       tracker.fallbacks(runs) if command == "mirror" else (), manifest.nas.hub)
 
 
 def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str | None,
          port_range: tuple[int, int] | None, options: tuple[str, ...], started: float, timeout: float,
-         allow_unauthenticated: bool, choosing: bool):
+         allow_unauthenticated: bool, choosing: bool, tracker: Tracker):
     address, auth = connect(ray, min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
     delivered: dict[str, dict] = {}
     try:
-        driver = Driver(ray, manifest, command, started + timeout, timeout, options)
+        driver = Driver(ray, manifest, command, started + timeout, timeout, options, tracker=tracker)
         if transport == "sftp":
             from stager.fleet.sftp_tree import fan_out as stage_by_tree
 
@@ -100,7 +111,9 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
                 got["error"] = got.get("error") or why
         else:
             runs = driver.all_at_once(names)
+        tracker.tick(driver, final=True)
     finally:
+        tracker.end()
         driver.end_agents()
         ray.shutdown()
     return address, auth, runs, delivered, driver.choice
@@ -129,6 +142,27 @@ def choose_transport(manifest: Manifest, command: str, names: list[str], fan_out
     if command != "mirror":
         return None
     return chosen or ("broadcast" if len(addressed) >= 2 else "nas")
+
+
+def everyone_reads_nas(manifest: Manifest, names: list[str]) -> tuple[list[str], str, bool]:
+    """The nodes a mirror leaves to read the NAS each, told no transport with fewer than two
+    addresses, and why: (nodes, why, every node of the run). A node with a source of its own
+    reads that, not the NAS."""
+    addressed = [name for name in names if manifest.nodes[name].address]
+    why = (f"only {addressed[0]} has" if addressed else "none of them has") + (
+        " nodes.<name>.address in the manifest, and the broadcast needs it on two or more nodes")
+    readers = [name for name in names if manifest.source_for(name) == manifest.nas.hub]
+    return (readers if len(readers) >= 2 else []), why, True
+
+
+def place(manifest: Manifest, url: str | None) -> str | None:
+    """Where a node copies from, in a word: NAS, a peer's name (its hub over SFTP), else the URL."""
+    if url is None or url == manifest.nas.hub:
+        return NAS
+    from stager.fleet.sftp_tree import peer_url
+
+    return next((name for name, node in manifest.nodes.items() if node.address and peer_url(manifest, name) == url),
+                url)
 
 
 def parse_ports(ports: str | None) -> tuple[int, int] | None:
@@ -160,14 +194,20 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
     present = driver.present(names)
     # Who can take part: an address to listen on, and the NAS itself as source (see needs.py).
     able = [name for name in present if manifest.nodes[name].address and manifest.source_for(name) == manifest.nas.hub]
+    readers = [name for name in present if manifest.source_for(name) == manifest.nas.hub]
     if len(able) < 2:
+        why = (f"only {able[0]} can" if able else "none of them can") + (
+            " take part in the broadcast, which needs nodes.<name>.address and a live Ray node on two or more nodes")
+        driver.tracker.reads_nas(readers if len(readers) >= 2 else [], why, every=True)
         return {}
+    driver.tracker.reads_nas([name for name in readers if name not in able],
+                             "no nodes.<name>.address in the manifest, where the broadcast would listen")
     for name in present:
         if name not in able:
             driver.launch(name)
     # One seed for the run: every node samples the same regions, so one node's sample serves all.
     watch = driver.watch_agents(start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32),
-                                             full="--full" in driver.options))
+                                             full="--full" in driver.options, bwlimit=bwlimit(driver.options)))
     probes = Probes(driver.ray, driver.agents, watch, manifest.fleet) if driver.choosing else None
 
     def plan():
@@ -188,11 +228,21 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
                      done=driver.finish, watch=watch)
 
 
+def bwlimit(options: tuple[str, ...]) -> int | None:
+    """The --bwlimit of the nodes' options, in bytes per second, for the broadcast's agents."""
+    from stager.base.units import parse_rate
+
+    return parse_rate(options[options.index("--bwlimit") + 1]) if "--bwlimit" in options else None
+
+
 def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: dict | None) -> NodeRun:
     """The node's run with where its bytes came from: what the broadcast delivered, plus what its
-    own mirror copied (from the NAS, or from a peer over SFTP)."""
+    own mirror copied (from the NAS, or from a peer over SFTP). Its sources, in a word each: the
+    peers its relay received from, NAS if the relay read from it, then its own mirror's source."""
     got = delivered or {}
     copied = int((run.report or {}).get("copied_bytes") or 0)
+    sources = [*(got.get("upstreams") or ()), *([NAS] if got.get("nas_bytes") else []),
+               *([place(manifest, run.source)] if copied else [])]
     from_nas = run.source == manifest.nas.hub
     fallbacks = list(got.get("fallbacks") or [])
     if got.get("error"):
@@ -201,7 +251,8 @@ def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: d
         transport, peer_bytes=int(got.get("peer_bytes", 0)) + (0 if from_nas else copied),
         nas_bytes=int(got.get("nas_bytes", 0)) + (copied if from_nas else 0), fallbacks=tuple(fallbacks),
         bad_senders=tuple(got.get("bad_senders") or ()), refused=tuple(got.get("refused") or ()),
-        moved_to_tail=bool(got.get("moved_to_tail")), relay_cpu_seconds=got.get("relay_cpu_seconds")))
+        moved_to_tail=bool(got.get("moved_to_tail")), relay_cpu_seconds=got.get("relay_cpu_seconds"),
+        landed_files=int(got.get("landed_files", 0)), sources=tuple(dict.fromkeys(sources))))
 
 
 def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:
@@ -255,11 +306,13 @@ class Driver:
     agents: dict = field(default_factory=dict)  # node -> its broadcast agent (agent.py), for this run
     replaced: dict[str, str] = field(default_factory=dict)  # node -> why its agent's part fell back to a task
     watch: Watch | None = None  # the agents' answers, while there are agents
+    tracker: Tracker | None = None  # each node's part as it goes, for a display; who reads the NAS instead
     choosing: bool = False  # the broadcast chooses per group between itself and direct reads
     choice: Choice | None = None  # what it chose, once the groups are known
 
     def __post_init__(self):
         self.task = self.ray.remote(num_cpus=0, max_retries=0)(run_on_node)
+        self.tracker = self.tracker or Tracker(self.ray, self.command, [])
         self.pings = Pings(self.ray)
 
     def left(self) -> float:
@@ -288,13 +341,15 @@ class Driver:
     def launch(self, node: str, source: str | None = None) -> None:
         argv = node_argv(self.manifest, self.command, node, source, self.options)
         ref = self.task.options(label_selector={LABEL: node}, name=f"stage {self.command} {node}").remote(
-            argv, self.budget())
+            argv, self.budget(), *self.tracker.task_args(node, place(self.manifest, source
+                                                                     or self.manifest.source_for(node))))
         self.running[ref] = (node, source, None)
 
     def watch_agents(self, agents: dict) -> Watch:
         """The run's broadcast agents, one per node, asked for their progress from now on."""
         self.agents = agents
         self.watch = Watch(self.ray, agents)
+        self.watch.on_look = lambda: self.tracker.tick(self)
         return self.watch
 
     def finish(self, node: str, gone: str | None = None) -> None:
@@ -339,6 +394,7 @@ class Driver:
             look = self.watch.next_look() if self.watch is not None else LOOK_INTERVAL
             ready, _ = self.ray.wait([*self.running, *self.pings.asked], num_returns=1,
                                      timeout=max(0.0, min(look, self.left(), self.pings.first_due() - time.monotonic())))
+            self.tracker.tick(self)
             if ready and ready[0] in self.pings.asked:
                 self._pinged(ready[0])
                 continue
@@ -393,6 +449,7 @@ class Driver:
             self.runs[node] = unreachable(node, f"its agent died ({why}) and its Ray node failed a task of nothing")
             return
         self.replaced[node] = f"relay failed: the node's agent died ({why})"
+        self.tracker.reads_nas([node], f"its broadcast agent died ({why})")
         self.launch(node)
 
     def stalled_node(self) -> NodeRun | None:

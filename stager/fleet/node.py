@@ -33,28 +33,35 @@ def node_argv(manifest: Manifest, command: str, node: str, source: str | None = 
     return argv + list(options)
 
 
-def mirror_options(command: str, transport: str | None, bwlimit: str | None) -> tuple[str, ...]:
+def mirror_options(command: str, bwlimit: str | None) -> tuple[str, ...]:
     """`--bwlimit RATE` for each node's `stage mirror`: each node reads at most RATE from its
-    sources. The broadcast's head reads the NAS, and its closing mirrors run, inside the nodes'
-    agents, which take no rate yet: refused there rather than silently not applied."""
+    sources. A broadcast node's agent takes the same option (driver.broadcast_shared): RATE for
+    what it reads from the NAS, and RATE for what its relay sends its peers."""
     if bwlimit is None:
         return ()
     if command != "mirror":
         raise BadInput(f"--bwlimit applies to `stage fleet mirror` only, not {command}")
-    if transport == "broadcast":
-        raise BadInput("--bwlimit is not applied by the broadcast transport yet: "
-                       "add --transport nas (every node reads the NAS at RATE) or --transport sftp")
     return "--bwlimit", bwlimit
 
 
-def run_on_node(argv: list[str], timeout: float) -> dict:
+def run_on_node(argv: list[str], timeout: float, board=None, node: str | None = None,
+                source: str | None = None) -> dict:
     """Run `stage ARGV` here and return its exit code and output. The command is killed at
     `timeout`, when the task is cancelled, and (by the kernel) if this Ray worker dies, so a
-    fleet run never leaves a writer behind on a node."""
+    fleet run never leaves a writer behind on a node. With the run's `board` (live.py), the
+    command's byte counts are posted to it as `node`'s, copying from `source`."""
+    from stager.fleet.live import TaskProgress
+
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "stager", *argv], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=_parent_death_signal())
+    progress = TaskProgress(board, node or "", argv, source) if board is not None else None
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "stager", *argv], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=_parent_death_signal(), env=progress.env() if progress else None,
+                                pass_fds=(progress.write_fd,) if progress else ())
+    finally:
+        if progress is not None:
+            progress.started()
     timed_out = False
     try:
         out, err = proc.communicate(timeout=max(0.1, timeout))
@@ -64,6 +71,9 @@ def run_on_node(argv: list[str], timeout: float) -> dict:
     except BaseException:  # cancelled by the driver (KeyboardInterrupt in the task)
         _stop(proc)
         raise
+    finally:
+        if progress is not None:
+            progress.join()
     return {"code": proc.returncode, "stdout": out, "stderr": err, "seconds": time.monotonic() - started,
             "host": socket.gethostname(), "timed_out": timed_out}
 

@@ -76,27 +76,19 @@ def demo(tmp_path_factory) -> Path:
     return where / "demo" / "cluster.toml"
 
 
-def test_bwlimit_is_refused_before_the_cluster_is_asked(demo, tmp_path):
+def test_bwlimit_is_refused_before_the_cluster_is_asked(demo):
     for value in ("50MB/s", "fast", "10M:1M"):
         result = stage("fleet", "mirror", "--bwlimit", value, "--json", "--manifest", demo)
         assert result.returncode == 2 and "Invalid value for '--bwlimit'" in result.stderr, result.stderr
         assert json.loads(result.stdout)["exit_code"] == 2
-    # Two nodes with addresses choose the broadcast, whose agents take no rate yet: refused, not ignored.
-    addressed = tmp_path / "addressed.toml"
-    addressed.write_text(demo.read_text().replace("[nodes.dgx1]\n", '[nodes.dgx1]\naddress = "dgx1"\n')
-                         .replace("[nodes.dgx2]\n", '[nodes.dgx2]\naddress = "dgx2"\n'))
-    result = stage("fleet", "mirror", "--bwlimit", "50M", "--manifest", addressed)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == ("stage: error: --bwlimit is not applied by the broadcast transport yet: add "
-                                     "--transport nas (every node reads the NAS at RATE) or --transport sftp")
 
 
 def test_each_node_mirrors_at_the_rate(demo):
     """What a node's Ray task runs for `stage fleet mirror --transport nas --bwlimit 8M`: the
     node-local command line, run as the task runs it, reads the NAS at 8 MiB/s."""
     manifest = load_manifest(str(demo))
-    assert mirror_options("mirror", "nas", None) == ()
-    argv = node_argv(manifest, "mirror", "dgx1", None, mirror_options("mirror", "nas", "8M"))
+    assert mirror_options("mirror", None) == ()
+    argv = node_argv(manifest, "mirror", "dgx1", None, mirror_options("mirror", "8M"))
     assert argv[-2:] == ["--bwlimit", "8M"]
     shutil.rmtree(demo.parent / "nvme", ignore_errors=True)
     answer = run_on_node(argv, timeout=120)

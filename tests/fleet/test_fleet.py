@@ -6,6 +6,7 @@ sets one up."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -26,6 +27,7 @@ from hubgen import Hub, random_safetensors
 from remote_fixtures import SshServer, hub_tree, load_offline, silent_port
 from stager.fleet import LABEL
 from stager.base.lock import HUB_LOCK, LockTable
+from stager.base.units import format_size
 
 FLASH = "acme/Flash-3bpw"
 DRAFTER = "acme/Flash-drafter"
@@ -182,12 +184,14 @@ def nas(tmp_path_factory) -> dict:
 
 
 def fleet_manifest(path: Path, nas: dict, nodes_root: Path, sshd: SshServer, *, nas_hub: str | None = None,
-                   extra_nodes: tuple[str, ...] = (), node_extra: dict[str, str] | None = None) -> Path:
+                   extra_nodes: tuple[str, ...] = (), node_extra: dict[str, str] | None = None,
+                   unaddressed: tuple[str, ...] = ()) -> Path:
     lines = ["[nas]", f'hub = "{nas_hub or nas["hub"]}"', f'aliases = {{ "/volume1/hf/hub" = "{nas["hub"]}" }}',
              f'\n[models."{FLASH}"]', f'\n[models."{DRAFTER}"]']
     for rank, name in enumerate(NODES + extra_nodes):
         lines += [f"\n[nodes.{name}]", f'hub = "{nodes_root / name / "hub"}"', f'models = ["{FLASH}", "{DRAFTER}"]',
-                  f"rank = {rank}", f'address = "{sshd.address}"', (node_extra or {}).get(name, "")]
+                  f"rank = {rank}", "" if name in unaddressed else f'address = "{sshd.address}"',
+                  (node_extra or {}).get(name, "")]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -286,9 +290,9 @@ def test_a_node_silent_past_the_timeout_is_stopped_and_reported_in_the_table(sta
     manifest = fleet_manifest(root / "hung.toml", nas, root / "hung", sshd, node_extra={"dgx2": f'source = "{hung}"'})
     result, elapsed = fleet("mirror", "--nodes", "dgx2", "--timeout", "8", "--manifest", manifest)
     assert result.code == 3 and elapsed < 30, (elapsed, result.stderr)
-    table = result.stderr.splitlines()
-    assert table[0].split() == ["node", "status", "transport", "from", "NAS", "from", "peers", "seconds", "problems",
-                                "detail"]
+    table = result.stdout.splitlines()
+    assert table[0].split() == ["node", "status", "transport", "from", "files", "copied", "from", "NAS", "from", "peers",
+                                "seconds", "problems", "detail"]
     # The node answers just before the deadline that it stopped its command; a node that cannot
     # even say that is counted as unreachable.
     assert table[1].startswith("dgx2  timed out ") and table[1].endswith("killed at the fleet deadline (8s)") \
@@ -732,15 +736,15 @@ def test_a_cluster_without_authentication_is_refused_unless_allowed(cluster, sta
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_the_table_warns_when_the_cluster_is_unauthenticated():
-    from stager.fleet import FleetReport, NodeRun, table
+def test_stderr_warns_when_the_cluster_is_unauthenticated():
+    from stager.fleet import FleetReport, NodeRun, notes, table
 
     run = NodeRun("dgx1", 0, "ok", seconds=1.0, problems=0)
-    lines = table(FleetReport("verify", (run,), 2.0, False, "dgx1:6379", cluster_auth="disabled"))
-    assert lines[-2:] == ["warning: the Ray cluster's authentication is disabled (--allow-unauthenticated-cluster)",
-                          "fleet verify: 1 ok in 2.0s (exit 0)"]
+    report = FleetReport("verify", (run,), 2.0, False, "dgx1:6379", cluster_auth="disabled")
+    assert notes(report) == ["warning: the Ray cluster's authentication is disabled (--allow-unauthenticated-cluster)"]
+    assert table(report)[-1] == "fleet verify: 1 ok in 2.0s (exit 0)" and len(table(report)) == 3
     assert FleetReport("verify", (run,), 2.0, False, "dgx1:6379").to_json()["cluster_auth"] == "token"
-    assert len(table(FleetReport("verify", (run,), 2.0, False, "dgx1:6379"))) == 3
+    assert notes(FleetReport("verify", (run,), 2.0, False, "dgx1:6379")) == []
 
 
 def test_fleet_verify_passes_full_and_subset_to_every_node(staged):
@@ -828,9 +832,6 @@ def test_misuse_is_bad_input(nas, sshd, tmp_path):
     assert result.code == 2 and "--subset expects N/T such as 3/7, got '3'" in result.stderr
     result, _ = fleet("mirror", "--until-free", "1GiB", "--manifest", manifest)
     assert result.code == 2 and "No such option: --until-free" in result.stderr
-    # Every node has an address: the broadcast, whose agents take no rate yet.
-    result, _ = fleet("mirror", "--bwlimit", "50M", "--manifest", manifest)
-    assert result.code == 2 and "--bwlimit is not applied by the broadcast transport yet" in result.stderr
     result, _ = fleet("prune", "--only", "snapshots", "--manifest", manifest)
     assert result.code == 2 and "--only: snapshots is not a kind" in result.stderr
 
@@ -866,3 +867,265 @@ def test_without_ray_installed_the_command_says_how_to_install_it(nas, sshd, tmp
     assert proc.returncode == 3
     assert proc.stderr.strip() == ("stage: error: stage fleet needs Ray on every node: "
                                    "pip install '.[fleet]' in the stager checkout (see docs/fleet.md)")
+
+
+
+# ---- what the operator sees: the result on stdout, progress and warnings on stderr -----------------
+
+SIZE = r"\d+ B|\d+\.\d\d [KMGT]iB"
+
+
+def table(stdout: str) -> tuple[list[str], dict[str, dict[str, str]], list[str]]:
+    """A fleet table as printed: its columns, each node's row by column (cells cut at the
+    header's column starts), and every other line (problems, paths, the closing count)."""
+    lines = stdout.splitlines()
+    found = list(re.finditer(r"\S+(?: \S+)*", lines[0]))
+    names, starts = [m.group() for m in found], [m.start() for m in found]
+    rows, rest = {}, []
+    for line in lines[1:]:
+        if line.split(" ", 1)[0] in (*NODES, "dgx4"):
+            cells = [line[start:end].strip() for start, end in zip(starts, [*starts[1:], None])]
+            rows[cells[0]] = dict(zip(names, cells))
+        else:
+            rest.append(line)
+    return names, rows, rest
+
+
+def no_table_on(stderr: str) -> None:
+    """Nothing of the result on stderr, and no terminal codes off a terminal."""
+    assert not [line for line in stderr.splitlines() if line.startswith(("node ", *NODES, "fleet "))], stderr
+    assert "\x1b[" not in stderr, stderr
+
+
+def test_fleet_mirror_prints_its_rows_on_stdout(cluster, staged, nas, sshd, tmp_path):
+    """The broadcast's rows: where each node's bytes came from (the head from the NAS, the others
+    from the node before them, their small files from the NAS), files and bytes copied, on stdout
+    (`| grep dgx2` finds dgx2's row); nothing of it on stderr."""
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
+    result, _ = fleet("mirror", "--transport", "broadcast", "--timeout", "120", "--manifest", manifest)
+    assert result.code == 0, result.stderr + result.stdout
+    no_table_on(result.stderr)
+    names, rows, rest = table(result.stdout)
+    assert names == ["node", "status", "transport", "from", "files", "copied", "from NAS", "from peers", "seconds",
+                     "problems", "detail"]
+    plain = staged["result"].json["nodes"]["dgx1"]
+    data, files, small = plain["bytes"], plain["report"]["copied_files"], small_files(nas, staged)
+    assert list(rows) == list(NODES)
+    for name, row in rows.items():
+        assert (row["status"], row["transport"], row["files"], row["copied"], row["problems"], row["detail"]) == (
+            "ok", "broadcast", str(files), format_size(data), "0", ""), row
+        assert re.fullmatch(r"\d+\.\d", row["seconds"]), row
+        assert_staged_like_the_nas(tmp_path / name / "hub", nas)
+    assert (rows["dgx1"]["from"], rows["dgx1"]["from NAS"], rows["dgx1"]["from peers"]) == ("NAS", format_size(data),
+                                                                                           "0 B")
+    for name, upstreams in (("dgx2", {"dgx1"}), ("dgx3", {"dgx1", "dgx2"})):
+        peers = rows[name]["from"].split("+")
+        assert peers[-1] == "NAS" and peers[:-1] and set(peers[:-1]) <= upstreams, rows[name]
+        assert (rows[name]["from NAS"], rows[name]["from peers"]) == (format_size(small), format_size(data - small))
+    assert [line for line in result.stdout.splitlines() if "dgx2" in line.split()[:1]] == [
+        result.stdout.splitlines()[2]]
+    assert rest[-1].startswith(f"fleet mirror: 3 ok; copied {format_size(3 * small)} from NAS; "
+                               f"{format_size(data + 2 * small)} read from the NAS (broadcast) in "), rest
+    assert rest[-1].endswith("(exit 0)")
+
+
+def test_fleet_verify_audit_and_prune_print_their_rows_on_stdout(staged, nas, sshd, tmp_path):
+    """Each command's own columns: verify (mode, against, ok of checked; a problem by the names
+    people know the file by), audit (free, needed, reclaimable, its state and reason), prune
+    (would remove, bytes, in use; -v lists the paths of each node)."""
+    root = staged["root"]
+    shard = next((root / "dgx2" / "hub" / "blobs").glob("??/*[0-9a-f]"))
+    original = shard.read_bytes()
+    try:
+        with open(shard, "r+b") as handle:
+            handle.seek(len(original) - 10)
+            handle.write(bytes([original[-10] ^ 0xFF]))
+        verify, _ = fleet("verify", "--timeout", "120", "--manifest", staged["manifest"])
+    finally:
+        shard.write_bytes(original)
+    assert verify.code == 1, verify.stderr
+    no_table_on(verify.stderr)
+    names, rows, rest = table(verify.stdout)
+    assert names == ["node", "status", "mode", "against", "ok", "seconds", "problems", "detail"]
+    checked = staged["result"].json["nodes"]["dgx1"]["report"]["verify"]["checked"]
+    assert [(row["status"], row["mode"], row["against"], row["ok"], row["problems"]) for row in rows.values()] == [
+        ("ok", "sampled", "NAS", f"{checked}/{checked}", "0"), ("problems", "sampled", "NAS", f"{checked - 1}/{checked}", "1"),
+        ("ok", "sampled", "NAS", f"{checked}/{checked}", "0")]
+    hub = root / "dgx2" / "hub" / f"models--{FLASH.replace('/', '--')}"
+    assert re.fullmatch(rf"  dgx2: mismatch {FLASH}@[0-9a-f]{{7}}/(model-0000[12]-of-00002\.safetensors) blob "
+                        rf"[0-9a-f]{{64}}: .+ \({hub}/snapshots/[0-9a-f]{{40}}/\1\)", rest[0]), rest
+    assert rest[-1].startswith("fleet verify: 2 ok, 1 problems in ") and rest[-1].endswith("(exit 1)")
+
+    manifest = fleet_manifest(tmp_path / "audit.toml", nas, root, sshd, nas_hub=staged["nas_url"],
+                              node_extra={"dgx3": 'reserve = "1PiB"'})
+    audit, _ = fleet("audit", "--timeout", "120", "--manifest", manifest)
+    audit_json, _ = fleet("audit", "--json", "--timeout", "120", "--manifest", manifest)
+    assert audit.code == 2 == audit_json.code, audit.stderr
+    no_table_on(audit.stderr)
+    names, rows, rest = table(audit.stdout)
+    assert names == ["node", "status", "free", "needed", "reclaimable", "seconds", "problems", "detail"]
+    for name, row in rows.items():
+        node = audit_json.json["nodes"][name]
+        assert row["status"] == node["status"] == ("critical" if name == "dgx3" else "ok")
+        assert re.fullmatch(SIZE, row["free"]) and node["free_bytes"] > 0, row
+        assert (row["needed"], row["reclaimable"]) == ("0 B", "0 B") and node["reclaimable_bytes"] == 0
+        assert row["detail"] == node["reason"] == node["report"]["reason"]
+    assert "1024.00 TiB" in rows["dgx3"]["detail"] and rest[-1].startswith("fleet audit: 2 ok, 1 critical in ")
+
+    orphan = root / "dgx1" / "hub" / f"models--{FLASH.replace('/', '--')}" / "blobs" / ("cd" * 32)
+    orphan.write_bytes(os.urandom(4096))
+    try:
+        args = ("prune", "--dry-run", "--only", "blob", "--timeout", "120", "--manifest", staged["manifest"])
+        quiet, _ = fleet(*args)
+        listed, _ = fleet(*args, "-v")
+        assert orphan.exists()
+    finally:
+        orphan.unlink()
+    for result in (quiet, listed):
+        assert result.code == 0, result.stderr
+        no_table_on(result.stderr)
+        names, rows, rest = table(result.stdout)
+        assert names == ["node", "status", "would remove", "bytes", "in use", "seconds", "problems", "detail"]
+        assert [(row["would remove"], row["bytes"], row["in use"]) for row in rows.values()] == [
+            ("1", "4.00 KiB", "0"), ("0", "0 B", "0"), ("0", "0 B", "0")]
+    assert table(quiet.stdout)[2] == [quiet.stdout.splitlines()[-1]]
+    assert table(listed.stdout)[2][:-1] == [f"  dgx1: would remove blob 4.00 KiB {orphan}"]
+
+
+NO_ADDRESS = ("none of them has nodes.<name>.address in the manifest, and the broadcast needs it on two or more "
+              "nodes")
+
+
+def fallback_line(nodes: str, why: str, read: int, extra: int) -> str:
+    one = "," not in nodes and " and " not in nodes
+    return (f"warning: {nodes} {'reads the NAS itself' if one else 'read the NAS themselves'}, not "
+            f"{'its' if one else 'their'} peers: {why}; {format_size(read)} from the NAS, {format_size(extra)} more "
+            'than one read of each byte (docs/fleet.md, "Addresses and ports")')
+
+
+def test_nodes_that_read_the_nas_instead_of_their_peers_are_named_once_with_what_it_costs(
+        broadcast_run, staged, nas, sshd, tmp_path):
+    data = staged["result"].json["nodes"]["dgx1"]["bytes"]
+    # No node has an address: each reads the NAS itself; one read of the data was owed anyway.
+    bare = fleet_manifest(tmp_path / "bare.toml", nas, tmp_path / "bare", sshd, nas_hub=staged["nas_url"],
+                          unaddressed=NODES)
+    result, _ = fleet("mirror", "--timeout", "120", "--manifest", bare)
+    assert result.code == 0, result.stderr
+    warned = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert warned == [fallback_line("dgx1, dgx2 and dgx3", NO_ADDRESS, 3 * data, 2 * data)], result.stderr
+    assert "warning" not in result.stdout and {row["transport"] for row in table(result.stdout)[1].values()} == {"nas"}
+    for name in NODES:
+        assert_staged_like_the_nas(tmp_path / "bare" / name / "hub", nas)
+    bare_json = fleet_manifest(tmp_path / "bare-json.toml", nas, tmp_path / "bare-json", sshd,
+                               nas_hub=staged["nas_url"], unaddressed=NODES)
+    result, _ = fleet("mirror", "--json", "--timeout", "120", "--manifest", bare_json)
+    assert result.code == 0 and result.json["transport"] == "nas", result.stderr
+    assert result.json["nas_fallback"] == [{"nodes": list(NODES), "why": NO_ADDRESS, "nas_bytes": 3 * data,
+                                            "extra_bytes": 2 * data}]
+    assert [line for line in result.stderr.splitlines() if "warning" in line] == [
+        fallback_line("dgx1, dgx2 and dgx3", NO_ADDRESS, 3 * data, 2 * data)]
+
+    # dgx3 alone has none: the broadcast between dgx1 and dgx2, and dgx3 named.
+    part = fleet_manifest(tmp_path / "part.toml", nas, tmp_path / "part", sshd, nas_hub=staged["nas_url"],
+                          unaddressed=("dgx3",))
+    result, _ = fleet("mirror", "--transport", "broadcast", "--json", "--timeout", "120", "--manifest", part)
+    assert result.code == 0, result.stderr
+    why = "no nodes.<name>.address in the manifest, where the broadcast would listen"
+    assert result.json["nas_fallback"] == [{"nodes": ["dgx3"], "why": why, "nas_bytes": data, "extra_bytes": data}]
+    assert [line for line in result.stderr.splitlines() if "warning" in line] == [
+        fallback_line("dgx3", why, data, data)]
+    nodes = result.json["nodes"]
+    assert nodes["dgx2"]["peer_bytes"] > 0 and (nodes["dgx3"]["nas_bytes"], nodes["dgx3"]["peer_bytes"]) == (data, 0)
+    for name in NODES:
+        assert_staged_like_the_nas(tmp_path / "part" / name / "hub", nas)
+
+    # Every node has one: nothing to say.
+    assert broadcast_run["result"].json["nas_fallback"] == [] and "warning" not in broadcast_run["result"].stderr
+    # A single node has no peers to read from.
+    alone, _ = fleet("mirror", "--nodes", "dgx1", "--json", "--timeout", "120", "--manifest", bare)
+    assert alone.code == 0 and alone.json["nas_fallback"] == [] and "warning" not in alone.stderr
+
+
+def on_a_terminal(*args, columns: int = 150, timeout: float = 180) -> tuple[int, str, str]:
+    """`stage fleet ARGS` with its stderr on a terminal (a pty `columns` wide) and its stdout a
+    pipe: its exit code, its stdout, and what the terminal was sent (line ends as sent)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    attributes = termios.tcgetattr(follower)
+    attributes[1] &= ~termios.ONLCR  # keep "\n" as the command wrote it
+    termios.tcsetattr(follower, termios.TCSANOW, attributes)
+    shown = bytearray()
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the other side is closed and drained
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "stager", "fleet", *map(str, args)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=follower)
+        os.close(follower)
+        follower = -1
+        reader.start()
+        out, _ = proc.communicate(timeout=timeout)
+        reader.join(10)
+    finally:
+        if follower >= 0:
+            os.close(follower)
+        os.close(leader)
+    return proc.returncode, out.decode(), shown.decode(errors="replace")
+
+
+def frames(shown: str) -> list[list[str]]:
+    """The blocks of lines the terminal was sent between two moves of the cursor back up."""
+    return [[line for line in re.sub(r"\x1b\[J|\r", "", part).split("\n") if line]
+            for part in re.split(r"\x1b\[\d+A", shown)]
+
+
+def test_a_terminal_gets_a_line_per_node_redrawn_in_place_and_a_pipe_none(staged, nas, sshd, tmp_path):
+    """Nodes without an address read the NAS each (--bwlimit 2M: a few seconds each): on a
+    terminal, a line per node (bytes of what, rate, ETA, from where), redrawn in place, the
+    fallback said once above it with the bytes the nodes set out to copy; the table on stdout.
+    Through a pipe, with -q, and with --json: not a line of it."""
+    data = staged["result"].json["nodes"]["dgx1"]["bytes"]
+
+    def manifest(name: str) -> Path:
+        return fleet_manifest(tmp_path / f"{name}.toml", nas, tmp_path / name, sshd, nas_hub=staged["nas_url"],
+                              unaddressed=NODES)
+
+    args = ("mirror", "--bwlimit", "2M", "--timeout", "120", "--manifest")
+    code, out, shown = on_a_terminal(*args, manifest("tty"))
+    assert code == 0, shown
+    assert {row["status"] for row in table(out)[1].values()} == {"ok"} and "\x1b[" not in out
+    drawn = frames(shown)
+    assert len(drawn) >= 4 and "\x1b[3A" in shown, shown  # three lines, drawn again in place
+    moving = rf"({SIZE}) of ({SIZE})  ({SIZE})/s  ETA \d+:\d\d"
+    for name in NODES:
+        lines = [line for frame in drawn for line in frame if re.fullmatch(rf"{name}  copying from NAS\s+{moving}", line)]
+        assert lines, (name, shown)
+        assert {re.fullmatch(rf"{name}  copying from NAS\s+{moving}", line).group(2) for line in lines} == {
+            format_size(data)}
+        assert re.fullmatch(rf"{name}  ok\s+{re.escape(format_size(data))}  in 0:\d\d", drawn[-1][NODES.index(name)])
+    warning = fallback_line("dgx1, dgx2 and dgx3", NO_ADDRESS, 3 * data, 2 * data)
+    assert shown.count(warning) == 1 and shown.index(warning) < shown.rindex("copying from NAS"), shown
+    for name in NODES:
+        assert_staged_like_the_nas(tmp_path / "tty" / name / "hub", nas)
+
+    piped, _ = fleet(*args, manifest("pipe"))
+    assert piped.code == 0 and "copying" not in piped.stderr, piped.stderr
+    no_table_on(piped.stderr)
+    for option, warned in (("-q", 0), ("--json", 1)):  # -q: the result and errors only
+        code, out, shown = on_a_terminal(*args, manifest(option.strip("-")), option)
+        assert code == 0 and "copying" not in shown and "\x1b[" not in shown, (option, shown)
+        assert shown.count(warning) == warned, (option, shown)
