@@ -22,6 +22,20 @@ order rotated by one each round, onto emptied node hubs, with `--nodes dgx1..dgx
 --chunk chunks to dgx1, which writes each chunk and passes it to dgx2, and so on; plain Python
 sockets, no hashing, no Ray. Its relays' CPU is their own rusage (wait4).
 
+`plain` is the plain unverified relay the whole-node CPU target is measured against: the NAS
+namespace sends the files with sendfile, and each node receives 1 MiB at a time with recv_into
+into one page-aligned buffer, writes it with O_DIRECT from that buffer and passes it on with
+sendall; no hashing, no Ray. Its CPU is each node's cgroup, as for every transport.
+
+Other transports: `auto` is `stage fleet mirror` told no transport (the driver's choice, and its
+measures); `auto-full` the same with --full; `nas`, `sftp`, `broadcast` as --transport says.
+
+Modes of the lab (fleet_lab.py): --fast-nas (the NAS as a path every namespace reads, past the
+shaped links) and --cpu-quota CORES (each node's processes capped by cgroup v1); both make direct
+reads win. --sizes 256MiB,768MiB runs every round on a lab of each size: a node's CPU per byte is
+then the difference of its CPU at the two sizes over the difference of the sizes (the `cpu` table
+of `markdown`), its fixed and per-file costs (Ray's workers, starts, walks) taken out.
+
 `stream` is the other baseline, at N = 1 only: one SSH stream (`ssh nas cat` of the snapshot's
 files into dgx1's /dev/null), the time S takes through the shaped NAS link as one TCP stream with
 its framing: S/R as measured, beside S/R from the nominal rate.
@@ -59,7 +73,10 @@ from stager.fleet.broadcast.relay import CHUNK as BROADCAST_CHUNK  # noqa: E402
 GB = 1e9
 CHAIN_PORT = 7700
 TRANSPORT_ARGS = {"nas": ["--transport", "nas"], "sftp": ["--transport", "sftp"],
-                  "broadcast": ["--transport", "broadcast"]}
+                  "broadcast": ["--transport", "broadcast"], "auto": [], "auto-full": ["--full"],
+                  "broadcast-full": ["--transport", "broadcast", "--full"]}
+PLAIN_CHUNK = 1024 * 1024
+DIRECT_ALIGN = 4096
 SURVIVES_A_KILL = ("broadcast",)
 
 
@@ -167,6 +184,98 @@ def run_chain(lab: Lab, nodes: list[Member], chunk: int) -> dict:
             "ok": ok, "code": 0}
 
 
+def plain_relay(listen: str, forward: str | None, out_dir: Path) -> None:
+    """The plain unverified relay: recv_into one aligned 1 MiB buffer, an O_DIRECT write from it,
+    sendall of it downstream. A file's last partial block is written padded, then truncated."""
+    import mmap
+
+    host, port = listen.rsplit(":", 1)
+    server = socket.create_server((host, int(port)))
+    downstream = connect(forward) if forward else None
+    upstream, _ = server.accept()
+    buffer = mmap.mmap(-1, PLAIN_CHUNK)
+    view = memoryview(buffer)
+
+    def exactly(n: int) -> memoryview:
+        got = 0
+        while got < n:
+            read = upstream.recv_into(view[got:n])
+            if not read:
+                raise ConnectionError("upstream closed")
+            got += read
+        return view[:n]
+
+    while True:
+        (name_len,) = struct.unpack("!I", bytes(exactly(4)))
+        if name_len == 0:
+            break
+        name = bytes(exactly(name_len)).decode()
+        (size,) = struct.unpack("!Q", bytes(exactly(8)))
+        if downstream:
+            downstream.sendall(struct.pack("!I", name_len) + name.encode() + struct.pack("!Q", size))
+        fd = os.open(out_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        offset = 0
+        while offset < size:
+            length = min(PLAIN_CHUNK, size - offset)
+            piece = exactly(length)
+            padded = -(-length // DIRECT_ALIGN) * DIRECT_ALIGN
+            if padded > length:
+                view[length:padded] = bytes(padded - length)
+            os.pwrite(fd, view[:padded], offset)
+            if downstream:
+                downstream.sendall(piece)
+            offset += length
+        os.ftruncate(fd, size)
+        os.close(fd)
+    if downstream:
+        downstream.sendall(struct.pack("!I", 0))
+        downstream.shutdown(socket.SHUT_WR)
+        downstream.recv(1)
+    upstream.close()
+
+
+def plain_send(to: str, files: list[str]) -> None:
+    """Send NAME=PATH files down the plain relays, each with sendfile (from the page cache)."""
+    sock = connect(to)
+    for spec in files:
+        name, _, where = spec.partition("=")
+        with open(where, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            sock.sendall(struct.pack("!I", len(name.encode())) + name.encode() + struct.pack("!Q", size))
+            sock.sendfile(handle)
+    sock.sendall(struct.pack("!I", 0))
+    sock.shutdown(socket.SHUT_WR)
+    sock.recv(1)
+
+
+def run_plain(lab: Lab, nodes: list[Member]) -> dict:
+    files = sorted(p for p in (lab.nas_hub / lab.snapshot_dir).iterdir())
+    me = [sys.executable, str(Path(__file__).resolve())]
+    idle = idle_rates(lab, nodes)
+    cpu_before = {m.name: lab.cpu_seconds(m) or 0.0 for m in nodes}
+    relays = []
+    for i, member in reversed(list(enumerate(nodes))):
+        out = lab.staged_hub(member.name) / "plain"
+        out.mkdir(parents=True, exist_ok=True)
+        forward = f"{nodes[i + 1].address}:{CHAIN_PORT}" if i + 1 < len(nodes) else None
+        argv = [*me, "plain-relay", "--listen", f"{member.address}:{CHAIN_PORT}", "--out", str(out)] + (
+            ["--forward", forward] if forward else [])
+        relays.insert(0, lab.spawn(member, argv, stderr=None))
+    time.sleep(1.0)  # the relays' interpreters start before the clock does
+    before, started = lab.counters(), time.monotonic()
+    sender = lab.spawn(lab.nas, [*me, "plain-send", "--to", f"{nodes[0].address}:{CHAIN_PORT}",
+                                 *(f"{p.name}={p.resolve()}" for p in files)], stderr=None)
+    codes = [relay.wait() for relay in relays]
+    seconds = time.monotonic() - started
+    sender.wait()
+    sent = lab.counters() - before
+    cpu = {m.name: (lab.cpu_seconds(m) or 0.0) - cpu_before[m.name] - idle[m.name] * (seconds + 1.0) for m in nodes}
+    ok = all(code == 0 for code in codes) and all(
+        sha256(lab.staged_hub(m.name) / "plain" / p.name) == lab.sha256[p.name] for m in nodes for p in files)
+    return {"seconds": seconds, "nas_sent": sent.rx_bytes, "nas_read": None, "cpu": cpu, "relay_cpu": cpu,
+            "ok": ok, "code": 0}
+
+
 def run_stream(lab: Lab, member: Member) -> dict:
     """One SSH stream of the snapshot's files from the NAS into `member`'s /dev/null."""
     files = sorted(str(p.resolve()) for p in (lab.nas_hub / lab.snapshot_dir).iterdir())
@@ -238,6 +347,7 @@ def run_fleet_mirror(lab: Lab, transport: str, nodes: list[Member], timeout: flo
                  if run.get("relay_cpu_seconds") is not None and run.get("peer_bytes")}
     return {"seconds": seconds, "nas_sent": sent.rx_bytes, "nas_read": sftp_read(lab) - read_before, "cpu": cpu,
             "relay_cpu": relay_cpu, "ok": ok, "code": proc.returncode, "node_seconds": node_seconds,
+            "chosen": (report or {}).get("transport"), "choice": (report or {}).get("choice"),
             "error": None if proc.returncode == 0 else err.strip().splitlines()[-3:]}
 
 
@@ -245,43 +355,56 @@ def run_fleet_mirror(lab: Lab, transport: str, nodes: list[Member], timeout: flo
 
 def bench(args) -> dict:
     counts = sorted(set(args.nodes))
-    config = LabConfig(nodes=max(counts), rate_mbit=args.rate, size=args.size, files=args.files)
-    results = {"config": {"rate_mbit": args.rate, "size": args.size, "files": args.files, "chunk": args.chunk,
-                          "broadcast_chunk": BROADCAST_CHUNK, "nodes": counts, "reps": args.reps,
-                          "transports": args.transports, "kill": args.kill},
+    sizes = args.sizes or [args.size]
+    results = {"config": {"rate_mbit": args.rate, "size": sizes[0], "sizes": sizes, "files": args.files,
+                          "chunk": args.chunk, "broadcast_chunk": BROADCAST_CHUNK, "nodes": counts, "reps": args.reps,
+                          "transports": args.transports, "kill": args.kill, "fast_nas": args.fast_nas,
+                          "cpu_quota": args.cpu_quota},
                "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
                "runs": []}
-    with Lab(config) as lab:
-        results["config"]["data_bytes"] = lab.data_bytes
-        link_seconds = lab.data_bytes * 8 / (args.rate * 1e6)
-        pairs = [(n, t) for n in counts for t in args.transports if t != "stream" or n == 1]
-        for rep in range(args.reps):
-            rotated = pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]
-            for n, transport in rotated:
-                nodes = [lab.nodes[f"dgx{i}"] for i in range(1, n + 1)]
-                lab.wipe_hubs()
-                timeout = max(120.0, 6 * n * link_seconds + 60)
-                run = (run_chain(lab, nodes, args.chunk) if transport == "chain"
-                       else run_stream(lab, nodes[0]) if transport == "stream"
-                       else run_fleet_mirror(lab, transport, nodes, timeout))
-                record(results, args, {"transport": transport, "n": n, "rep": rep, **run})
-            if args.kill:
-                for transport in (t for t in args.transports if t in SURVIVES_A_KILL):
-                    n = max(counts)
-                    clean = [r for r in results["runs"] if r["transport"] == transport and r["n"] == n
-                             and not r.get("killed")]
-                    victim = f"dgx{max(2, n // 2)}"
-                    at = 0.5 * statistics.median(r["seconds"] for r in clean)
-                    lab.wipe_hubs()
-                    nodes = [lab.nodes[f"dgx{i}"] for i in range(1, n + 1)]
-                    run = run_fleet_mirror(lab, transport, nodes, max(120.0, 6 * n * link_seconds + 60),
-                                           kill=(victim, at))
-                    record(results, args, {"transport": transport, "n": n, "rep": rep, "killed": victim,
-                                           "killed_at": at, **run})
-                    lab.rejoin(lab.nodes[victim])
+    for size in sizes:
+        config = LabConfig(nodes=max(counts), rate_mbit=args.rate, size=size, files=args.files,
+                           fast_nas=args.fast_nas, cpu_quota=args.cpu_quota)
+        with Lab(config) as lab:
+            bench_lab(lab, args, counts, results)
     results["summary"] = summarize(results)
     save(results, args)
     return results
+
+
+def bench_lab(lab: Lab, args, counts: list[int], results: dict) -> None:
+    """Every round on one lab (one size of the model)."""
+    results["config"].setdefault("data_bytes_by_size", {})[str(lab.config.size)] = lab.data_bytes
+    results["config"].setdefault("data_bytes", lab.data_bytes)
+    link_seconds = lab.data_bytes * 8 / (args.rate * 1e6)
+    pairs = [(n, t) for n in counts for t in args.transports if t != "stream" or n == 1]
+    for rep in range(args.reps):
+        rotated = pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]
+        for n, transport in rotated:
+            nodes = [lab.nodes[f"dgx{i}"] for i in range(1, n + 1)]
+            lab.wipe_hubs()
+            timeout = max(120.0, 6 * n * link_seconds + 60)
+            run = (run_chain(lab, nodes, args.chunk) if transport == "chain"
+                   else run_plain(lab, nodes) if transport == "plain"
+                   else run_stream(lab, nodes[0]) if transport == "stream"
+                   else run_fleet_mirror(lab, transport, nodes, timeout))
+            record(results, args, {"transport": transport, "n": n, "rep": rep, "size": lab.config.size,
+                                   "data_bytes": lab.data_bytes, **run})
+        if args.kill:
+            for transport in (t for t in args.transports if t in SURVIVES_A_KILL):
+                n = max(counts)
+                clean = [r for r in results["runs"] if r["transport"] == transport and r["n"] == n
+                         and not r.get("killed")]
+                victim = f"dgx{max(2, n // 2)}"
+                at = 0.5 * statistics.median(r["seconds"] for r in clean)
+                lab.wipe_hubs()
+                nodes = [lab.nodes[f"dgx{i}"] for i in range(1, n + 1)]
+                run = run_fleet_mirror(lab, transport, nodes, max(120.0, 6 * n * link_seconds + 60),
+                                       kill=(victim, at))
+                record(results, args, {"transport": transport, "n": n, "rep": rep, "killed": victim,
+                                       "killed_at": at, "size": lab.config.size, "data_bytes": lab.data_bytes,
+                                       **run})
+                lab.rejoin(lab.nodes[victim])
 
 
 def record(results: dict, args, run: dict) -> None:
@@ -298,12 +421,15 @@ def save(results: dict, args) -> None:
 
 
 def summarize(results: dict) -> dict:
-    """Per transport and N: medians of seconds, T/(S/R), NAS bytes / S, CPU per GB received."""
+    """Per transport and N: medians of seconds, T/(S/R), NAS bytes / S, CPU per GB received, at the
+    first size; with two sizes or more, each node's CPU per byte (`cpu_per_byte`)."""
     config = results["config"]
     data = config["data_bytes"]
     link_seconds = data * 8 / (config["rate_mbit"] * 1e6)
     summary: dict = {}
     for run in results["runs"]:
+        if run.get("size", config["size"]) != config["size"]:
+            continue
         key = run["transport"] + (" (one node killed)" if run.get("killed") else "")
         summary.setdefault(key, {}).setdefault(str(run["n"]), []).append(run)
     out: dict = {}
@@ -330,6 +456,35 @@ def summarize(results: dict) -> dict:
                 entry["t_over_t1"] = round(entry["seconds"] / first["seconds"], 3)
             if stream:  # T / (S/R) with S/R as one stream through the shaped link takes it
                 entry["t_over_stream"] = round(entry["seconds"] / stream["seconds"], 3)
+    if len(config.get("sizes") or ()) >= 2:
+        out["cpu_per_byte"] = cpu_per_byte(results)
+    return out
+
+
+def cpu_per_byte(results: dict) -> dict:
+    """Per transport and N, each node's CPU seconds per GB of data, counted per byte: the median of
+    its cgroup's CPU at the largest size less that at the smallest, over the difference in data.
+    What every run costs whatever its size (Ray's workers and their start, the walks, the files'
+    fixed costs) falls out; what is left grows with the bytes."""
+    sizes = sorted(results["config"]["sizes"])
+    small, large = sizes[0], sizes[-1]
+    by_key: dict = {}
+    for run in results["runs"]:
+        if run.get("killed") or not run.get("ok") or run.get("size") not in (small, large):
+            continue
+        by_key.setdefault((run["transport"], run["n"]), {}).setdefault(run["size"], []).append(run)
+    out: dict = {}
+    for (transport, n), by_size in sorted(by_key.items()):
+        if small not in by_size or large not in by_size:
+            continue
+        data = {size: by_size[size][0]["data_bytes"] for size in (small, large)}
+        nodes = sorted(by_size[large][0]["cpu"])
+        per_node = {}
+        for node in nodes:
+            cpu = {size: statistics.median(r["cpu"][node] for r in by_size[size] if node in r["cpu"])
+                   for size in (small, large)}
+            per_node[node] = round((cpu[large] - cpu[small]) / ((data[large] - data[small]) / GB), 2)
+        out.setdefault(transport, {})[str(n)] = per_node
     return out
 
 
@@ -339,7 +494,7 @@ def markdown(results: dict) -> str:
     N. A results file written before summaries were saved is summarized here."""
     summary, config = results.get("summary") or summarize(results), results["config"]
     counts = [str(n) for n in config["nodes"]]
-    keys = list(summary)
+    keys = [key for key in summary if key != "cpu_per_byte"]
     lines = ["| nodes N | " + " | ".join(f"{key}: T (T / (S/R))" for key in keys) + " |",
              "|---|" + "---|" * len(keys)]
     for n in counts:
@@ -353,6 +508,7 @@ def markdown(results: dict) -> str:
              ("a relay's own CPU per GB received", "relay_cpu_s_per_gb", "{:.2f} s"))
     lines += ["", "| transport (lowest-highest over N) | " + " | ".join(label for label, _, _ in costs) + " |",
               "|---|" + "---|" * len(costs)]
+    marginal = summary.get("cpu_per_byte")
     for key in keys:
         cells = []
         for _label, field, fmt in costs:
@@ -360,6 +516,12 @@ def markdown(results: dict) -> str:
                       is not None]
             cells.append(f"{fmt.format(min(values))}-{fmt.format(max(values))}" if values else "")
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    if marginal:
+        lines += ["", "| transport, N | CPU s per GB, counted per byte (two sizes), per node |", "|---|---|"]
+        for transport, by_n in marginal.items():
+            for n, per_node in by_n.items():
+                cells = ", ".join(f"{node} {value:.2f}" for node, value in per_node.items())
+                lines.append(f"| {transport}, {n} | {cells} |")
     return "\n".join(lines)
 
 
@@ -378,11 +540,22 @@ def main(argv: list[str] | None = None) -> int:
     send.add_argument("--to", required=True)
     send.add_argument("--chunk", type=int, required=True)
     send.add_argument("files", nargs="+")
+    plain = sub.add_parser("plain-relay")
+    plain.add_argument("--listen", required=True)
+    plain.add_argument("--forward")
+    plain.add_argument("--out", type=Path, required=True)
+    plain_send_parser = sub.add_parser("plain-send")
+    plain_send_parser.add_argument("--to", required=True)
+    plain_send_parser.add_argument("files", nargs="+")
     table = sub.add_parser("markdown", help="print the tables of a results file (JSON from --out)")
     table.add_argument("results", type=Path)
     parser.add_argument("--nodes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     parser.add_argument("--rate", type=float, default=200.0, help="Mbit/s, every link (200)")
     parser.add_argument("--size", type=parse_size, default=512 * MiB, help="model bytes (512MiB)")
+    parser.add_argument("--sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
+                        help="a lab of each of these model sizes, every round on each (CPU per byte from two)")
+    parser.add_argument("--fast-nas", action="store_true", help="the NAS as a path every namespace reads (fleet_lab.py)")
+    parser.add_argument("--cpu-quota", type=float, metavar="CORES", help="each node's processes capped at CORES cores")
     parser.add_argument("--files", type=int, default=6)
     parser.add_argument("--chunk", type=parse_size, default=8 * MiB, help="the plain chain's chunk (8MiB)")
     parser.add_argument("--reps", type=int, default=3)
@@ -396,6 +569,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "chain-send":
         chain_send(args.to, args.files, args.chunk)
+        return 0
+    if args.command == "plain-relay":
+        plain_relay(args.listen, args.forward, args.out)
+        return 0
+    if args.command == "plain-send":
+        plain_send(args.to, args.files)
         return 0
     if args.command == "markdown":
         print(markdown(json.loads(args.results.read_text())))
