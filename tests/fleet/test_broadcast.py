@@ -530,3 +530,33 @@ def test_strangers_asking_for_each_stream_are_refused_and_the_members_get_every_
     assert results["b"]["peer_bytes"] == sum(share.size for share in nas["files"]), results["b"]
     assert sorted(results["b"]["upstreams"]) == ["a"] * STREAMS
     assert_landed(tmp_path, "b", nas)
+
+
+def test_a_relay_sends_at_most_its_send_limit_over_all_its_streams(tmp_path, striped_nas):
+    """stage fleet mirror --bwlimit on the broadcast: what a relay sends, every stream of every
+    downstream together, is held to its send limit; the NAS (a local path here) is not limited,
+    so the downstream's time is the limit's. Without it the same run takes a fraction of that."""
+    from stager.sources.throttle import Throttle
+
+    nas, rate = striped_nas, 8 * MiB
+    total = sum(share.size for share in nas["files"])
+    took = {}
+    for limited in (False, True):
+        key, run_id = mint()
+        root = tmp_path / ("limited" if limited else "free")
+        running = relays(root, nas, key, run_id, names=("a", "b"), streams=STREAMS)
+        running["a"][0].send_limit = Throttle(rate) if limited else None
+        chain = tuple((name, "127.0.0.1", running[name][1]) for name in ("a", "b"))
+        started = time.monotonic()
+        try:
+            results = run_all(running, Session(0, nas["files"], chain))
+        finally:
+            for relay, _ in running.values():
+                relay.close()
+        took[limited] = time.monotonic() - started
+        assert results["b"]["peer_bytes"] == total and results["b"]["nas_bytes"] == 0, results["b"]
+        assert_landed(root, "b", nas)
+    print(f"\n{total / MiB:.1f} MiB to one downstream on {STREAMS} streams: {took[False]:.2f} s unlimited, "
+          f"{took[True]:.2f} s at 8 MiB/s ({total / rate:.2f} s expected)")
+    assert 0.9 * total / rate <= took[True] <= 1.1 * total / rate, took
+    assert took[False] < 0.5 * took[True], took
