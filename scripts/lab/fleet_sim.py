@@ -2,7 +2,8 @@
 """A fluid model of staging N nodes from one NAS: every node reads the NAS (direct), the SFTP
 peer tree (`--transport sftp`), the pipelined broadcast chain, and the plain chain baseline.
 
-    python scripts/lab/fleet_sim.py predict --n 1,8,64,1024 --link-gbe 25,100,400 --nas-gbps 1,10 --size 700GB
+    python scripts/lab/fleet_sim.py predict --n 1,8,64,1024 --link-gbe 25,100,400 --nas-gbps 1,10 --size 700GB \
+        --streams 4 --cpu-per-gb 0.8 --node-cores 64
     python scripts/lab/fleet_sim.py one --transport broadcast --n 8 --link-mbit 200 --nas-mbit 200 --size 512MiB
     python scripts/lab/fleet_sim.py check docs/results/fleet-lab-measurements.json      # against the lab, within 15 %
 
@@ -21,6 +22,13 @@ one uplink of `nas`, and each node's relay can move `relay_cores / cpu_per_gb` G
   is put at the tail, where it holds no one back; a node killed part-way costs the nodes behind
   it `detect` seconds and the chunk in flight.
 - chain: the broadcast's arithmetic without the Ray run's overheads or the sampled checks.
+- chosen: what `stage fleet mirror` does told no transport (stager/fleet/choice.py): the faster of
+  direct reads and the broadcast, so never above direct reads; with the cores it keeps busy on a
+  node (its rate times its CPU per GB: a relay's for the broadcast, a NAS reader's for direct).
+
+A relay of K streams (--streams; K processes, a connection each, chunks striped across them)
+moves at most min(K, the node's cores) / cpu_per_gb, cpu_per_gb being one stream's CPU seconds per
+GB it receives and passes on, as measured (scripts/lab/broadcast_cpu.py, fleet_bench.py).
 
 Every transport pays a fixed `startup` (the driver joining Ray, the tasks starting, the walk).
 On the lab every node shares one machine's cores: each node's measured CPU per GB then queues on
@@ -55,8 +63,11 @@ class Cluster:
     link: float  # every node's link, each direction
     nas: float  # the NAS's uplink (or its disks, if slower)
     chunk: float = 8 * MiB
-    cpu_per_gb: float = 3.0  # CPU seconds a relay spends per GB received (and passed on)
-    relay_cores: float = 1.0  # cores a relay can keep busy (one Python process: 1)
+    cpu_per_gb: float = 3.0  # CPU seconds one relay stream spends per GB received (and passed on)
+    relay_cores: float = 1.0  # the relay's streams (K, a process each), so the cores it can keep busy
+    node_cores: float = math.inf  # a node's cores: the relay keeps at most this many busy
+    disk: float = math.inf  # a node's disk, writing
+    direct_cpu_per_gb: float = 0.5  # a node's CPU seconds per GB read from a NAS mount and written
     stragglers: tuple[tuple[int, float], ...] = ()  # (node index, its link rate)
     killed: tuple[int, float] | None = None  # (node index, at this fraction of the run)
 
@@ -83,6 +94,10 @@ class Overheads:
     # node has its own cores (a real cluster), and only the relay's own CPU limit applies.
     host_cores: float | None = None
     cpu_per_gb: dict = field(default_factory=dict)  # per transport, measured; a relay's default: Cluster's
+    # The broadcast charged every node a sampled check of the NAS: the code reads the samples once,
+    # at the chain's head, and sends them down the chain; on the lab the charge stands in for what
+    # the model lacks (docs/fleet-lab.md, "The simulator"), so fit() keeps it, and predict() does not.
+    samples_per_node: bool = True
 
 
 @dataclass(frozen=True)
@@ -106,10 +121,12 @@ def simulate(transport: str, cluster: Cluster, over: Overheads = Overheads()) ->
 
 def direct(c: Cluster, o: Overheads) -> Outcome:
     need = [c.size + c.files * o.sample_per_file] * c.n
-    caps = [min(c.link_of(i), o.sftp_stream * o.jobs) for i in range(c.n)]
+    cpu = c.node_cores / c.direct_cpu_per_gb * GB
+    caps = [min(c.link_of(i), o.sftp_stream * o.jobs, c.disk, cpu) for i in range(c.n)]
     finish = water_fill(need, caps, c.nas)
     start = o.startup["nas"] + host_cpu(c, o, "nas", c.n)
-    limit = "NAS" if c.nas < sum(caps) else ("SFTP" if o.sftp_stream * o.jobs < c.link else "link")
+    bound = min(c.link, o.sftp_stream * o.jobs, c.disk, cpu)
+    limit = "NAS" if c.nas < sum(caps) else {c.link: "link", c.disk: "disk", cpu: "CPU"}.get(bound, "SFTP")
     return Outcome(start + max(finish), tuple(start + f for f in finish), sum(need), limit)
 
 
@@ -167,8 +184,8 @@ def sftp_tree(c: Cluster, o: Overheads) -> Outcome:
 
 
 def chain_rate(c: Cluster, nodes: list[int]) -> tuple[float, str]:
-    relay = c.relay_cores / c.cpu_per_gb * GB
-    candidates = [(c.nas, "NAS"), (min(c.link_of(i) for i in nodes), "link"), (relay, "relay CPU")]
+    relay = min(c.relay_cores, c.node_cores) / c.cpu_per_gb * GB
+    candidates = [(c.nas, "NAS"), (min(c.link_of(i) for i in nodes), "link"), (relay, "relay CPU"), (c.disk, "disk")]
     return min(candidates)
 
 
@@ -191,15 +208,37 @@ def broadcast(c: Cluster, o: Overheads, startup: str = "broadcast", samples: boo
             finish[node] += o.detect + c.chunk / rate
         finish.pop(victim, None)
     check = c.files * o.sample_per_file if samples else 0.0
+    readers = len(finish) if o.samples_per_node else 1
     if check:
         # The closing checks read the NAS at once: its uplink is shared by every node.
-        finish = {node: t + len(finish) * check / c.nas for node, t in finish.items()}
+        finish = {node: t + readers * check / c.nas for node, t in finish.items()}
     per_node = tuple(finish[i] for i in sorted(finish))
-    return Outcome(max(per_node), per_node, c.size + c.n * check, limit)
+    return Outcome(max(per_node), per_node, c.size + readers * check, limit)
 
 
 def chain(c: Cluster, o: Overheads) -> Outcome:
     return broadcast(replace(c, killed=None), o, startup="chain", samples=False)
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The transport `stage fleet mirror` takes told nothing, and what it costs a node."""
+
+    transport: str  # "broadcast" or "nas"
+    outcome: Outcome
+    cores: float  # a node's cores kept busy while it moves bytes
+    other: Outcome  # the transport not taken
+
+
+def chosen(c: Cluster, o: Overheads) -> Chosen:
+    """The faster of direct reads and the broadcast (fleet/choice.py's rule, with the model's
+    times): never above direct reads. Cores: the rate times the CPU per GB of the transport's work."""
+    by_nas, by_broadcast = direct(c, o), broadcast(c, o)
+    if by_nas.seconds <= by_broadcast.seconds:
+        rate = c.size / max(by_nas.seconds - o.startup["nas"], 1e-9)
+        return Chosen("nas", by_nas, rate / GB * c.direct_cpu_per_gb, by_broadcast)
+    rate, _ = chain_rate(c, list(range(c.n)))
+    return Chosen("broadcast", by_broadcast, rate / GB * c.cpu_per_gb, by_nas)
 
 
 # ---- calibration on the lab -------------------------------------------------------------------------
@@ -285,18 +324,27 @@ def check(results: dict, tolerance: float = 0.15, max_n: int = 8) -> list[dict]:
 # ---- predictions at cluster scale ------------------------------------------------------------------
 
 def predict(ns: list[int], links_gbe: list[float], nas_gbps: list[float], size: float, files: int,
-            cpu_per_gb: float, relay_cores: float, over: Overheads) -> list[dict]:
-    """direct (a NAS mount: no SFTP cap), today's SFTP tree, the broadcast with its Python relay
-    (`relay_cores` at `cpu_per_gb`), and the same chain with a relay that costs no CPU (a NIC- or
-    GPU-driven copy: NCCL/NIXL), at cluster scale."""
+            cpu_per_gb: float, relay_cores: float | None, over: Overheads, node_cores: float = math.inf,
+            disk: float = math.inf, direct_cpu_per_gb: float = 0.5) -> list[dict]:
+    """direct (a NAS mount: no SFTP cap), today's SFTP tree, the broadcast with its relay of
+    `relay_cores` streams at `cpu_per_gb` each (at most `node_cores` busy; None: as many as the
+    bound below needs), the same chain with a
+    relay that costs no CPU (a NIC- or GPU-driven copy: NCCL/NIXL), and what the driver chooses
+    (`chosen`: the faster of direct and the broadcast, with the cores it keeps busy), at cluster
+    scale. `bound` is min(NAS, link, disk write): what the chosen transport's rate is held to."""
+    over = replace(over, samples_per_node=False)
     mounted = replace(over, sftp_stream=float("inf"))
     rows = []
     for link_gbe in links_gbe:
         for nas in nas_gbps:
+            bound = min(nas * GB, link_gbe * 1e9 / 8, disk)
+            # K, told or enough streams for the bound, never more than the node's cores.
+            streams = relay_cores if relay_cores is not None else min(node_cores, math.ceil(bound / GB * cpu_per_gb))
             for n in ns:
                 cluster = Cluster(n=n, size=size, files=files, link=link_gbe * 1e9 / 8, nas=nas * GB,
-                                  cpu_per_gb=cpu_per_gb, relay_cores=relay_cores)
-                row = {"link_gbe": link_gbe, "nas_gbps": nas, "n": n}
+                                  cpu_per_gb=cpu_per_gb, relay_cores=streams, node_cores=node_cores, disk=disk,
+                                  direct_cpu_per_gb=direct_cpu_per_gb)
+                row = {"link_gbe": link_gbe, "nas_gbps": nas, "n": n, "streams": streams}
                 for name, transport, model, shape in (
                         ("direct", "nas", mounted, cluster), ("sftp", "sftp", over, cluster),
                         ("broadcast", "broadcast", over, cluster),
@@ -304,15 +352,26 @@ def predict(ns: list[int], links_gbe: list[float], nas_gbps: list[float], size: 
                     outcome = simulate(transport, shape, model)
                     row[name] = round(outcome.seconds, 1)
                     row[f"{name}_limit"] = outcome.limit
+                pick = chosen(cluster, mounted)
+                row["chosen"] = round(pick.outcome.seconds, 1)
+                row["chosen_transport"] = pick.transport
+                row["chosen_limit"] = pick.outcome.limit
+                row["chosen_cores"] = round(pick.cores, 1)
+                moving = pick.outcome.seconds - over.startup["nas" if pick.transport == "nas" else "broadcast"]
+                row["of_bound"] = round(size / max(moving, 1e-9) / bound, 3)
                 rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| link | NAS | N | direct | sftp tree | broadcast, Python relay | broadcast, no relay CPU |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| link | NAS | N | direct | sftp tree | broadcast, K streams | broadcast, no relay CPU "
+             "| chosen (cores a node keeps busy; rate / min(NAS, link, disk)) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r[k]:,.0f} s ({r[k + '_limit']})" for k in ("direct", "sftp", "broadcast", "native")]
+        cells[2] = f"K = {r['streams']:g}: " + cells[2]
+        cells.append(f"{r['chosen_transport']}, {r['chosen']:,.0f} s ({r['chosen_cores']:g} cores; "
+                     f"{r['of_bound']:.0%})")
         lines.append(f"| {r['link_gbe']:g} GbE | {r['nas_gbps']:g} GB/s | {r['n']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -348,13 +407,20 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--kill", metavar="INDEX@FRACTION", help="node INDEX dies at FRACTION of the run")
     one.add_argument("--calibration", type=Path, help="fit the overheads from this lab measurements file")
     pred = sub.add_parser("predict", help="direct, tree and broadcast at cluster scale (JSON lines)")
-    pred.add_argument("--n", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64, 256, 1024])
+    pred.add_argument("--n", type=lambda s: [int(x) for x in s.split(",")], default=[2, 8, 64, 256, 1024])
     pred.add_argument("--link-gbe", type=numbers, default=[25, 100, 400])
     pred.add_argument("--nas-gbps", type=numbers, default=[1, 10], help="the NAS's rate, GB/s")
     pred.add_argument("--size", type=parse_size, default=700e9)
     pred.add_argument("--files", type=int, default=160)
-    pred.add_argument("--cpu-per-gb", type=float, default=3.0)
-    pred.add_argument("--relay-cores", type=float, default=1.0)
+    pred.add_argument("--cpu-per-gb", type=float, default=3.0,
+                      help="one relay stream's CPU seconds per GB it receives (measured: broadcast_cpu.py)")
+    pred.add_argument("--relay-cores", "--streams", dest="relay_cores", type=lambda v: None if v == "auto" else float(v),
+                      default=1.0, help="the relay's streams per hop, K (a process and a core each); auto: enough "
+                                        "for min(NAS, link, disk), at most --node-cores")
+    pred.add_argument("--node-cores", type=float, default=math.inf, help="a node's cores (the relay uses at most these)")
+    pred.add_argument("--disk-gbps", type=float, default=math.inf, help="a node's disk, writing, GB/s")
+    pred.add_argument("--direct-cpu-per-gb", type=float, default=0.5,
+                      help="a node's CPU seconds per GB read from a NAS mount and written")
     pred.add_argument("--calibration", type=Path)
     pred.add_argument("--markdown", action="store_true", help="a table instead of JSON lines")
     chk = sub.add_parser("check", help="compare the model with a lab measurements file (exit 1 beyond 15 %%)")
@@ -373,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "predict":
         # At cluster scale the lab's per-run overheads (Ray on a 2-core machine) are not the cost.
         rows = predict(args.n, args.link_gbe, args.nas_gbps, args.size, args.files, args.cpu_per_gb,
-                       args.relay_cores, over)
+                       args.relay_cores, over, args.node_cores, args.disk_gbps * GB, args.direct_cpu_per_gb)
         print(markdown(rows) if args.markdown else "\n".join(json.dumps(row) for row in rows))
         return 0
     stragglers = tuple((int(i), float(r) * 1e6 / 8) for i, _, r in (s.partition("=") for s in args.straggler))

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from fleet_sim import GB, Cluster, Overheads, check, fit, simulate
+from fleet_sim import GB, Cluster, Overheads, chain_rate, check, fit, predict, simulate
 
 REPO = Path(__file__).resolve().parents[2]
 MEASURED = REPO / "docs" / "results" / "fleet-lab-measurements.json"
@@ -105,3 +106,38 @@ def test_fit_uses_only_the_runs_of_one_and_two_nodes():
         if run["n"] > 2:
             run["seconds"] *= 3
     assert fit(results) == fitted
+
+
+def test_k_streams_move_k_times_one_up_to_the_nodes_cores():
+    """A relay of K streams at 0.8 CPU s per GB each: K / 0.8 GB/s, never more cores than the node has."""
+    fast = dict(n=8, size=700 * GB, files=160, link=400e9 / 8, nas=10 * GB, cpu_per_gb=0.8)
+    rates = [chain_rate(Cluster(relay_cores=k, **fast), list(range(8)))[0] for k in (1, 2, 4)]
+    assert rates == pytest.approx([1.25 * GB, 2.5 * GB, 5 * GB])
+    assert chain_rate(Cluster(relay_cores=16, node_cores=4, **fast), list(range(8)))[0] == pytest.approx(5 * GB)
+
+
+GRID = [(n, link, nas) for n in (2, 8, 64, 1024) for link in (25, 100, 400) for nas in (1, 3, 10)]
+
+
+def test_the_chosen_transport_is_never_above_direct_reads_nor_the_broadcast():
+    rows = predict([2, 8, 64, 1024], [25, 100, 400], [1, 3, 10], 700 * GB, 160, 0.8, None, Overheads(), node_cores=64)
+    assert len(rows) == len(GRID)
+    for row in rows:
+        assert row["chosen"] <= min(row["direct"], row["broadcast"]) + 0.1, row
+        assert row["chosen_transport"] == ("nas" if row["direct"] < row["broadcast"] else "broadcast"), row
+    # A NAS faster than the links flips the choice to direct reads (2 nodes on 25 GbE, 10 GB/s).
+    flipped = next(r for r in rows if (r["n"], r["link_gbe"], r["nas_gbps"]) == (2, 25, 10))
+    assert flipped["chosen_transport"] == "nas"
+
+
+def test_with_the_cores_for_it_the_chosen_transport_runs_at_90_percent_of_nas_link_and_disk():
+    """K chosen for the bound (at most the node's 64 cores): every row at >= 90 % of
+    min(NAS, link, disk), N up to 1,024; the cores it keeps busy are the rate times 0.8 s/GB."""
+    rows = predict([2, 8, 64, 1024], [25, 100, 400], [1, 3, 10], 700 * GB, 160, 0.8, None,
+                   replace(Overheads(), startup={t: 0.0 for t in ("nas", "sftp", "broadcast", "chain")}),
+                   node_cores=64, disk=6 * GB)
+    for row in rows:
+        assert row["of_bound"] >= 0.9, row
+        bound = min(row["nas_gbps"], row["link_gbe"] / 8, 6)
+        if row["chosen_transport"] == "broadcast":
+            assert row["chosen_cores"] == pytest.approx(0.8 * bound * row["of_bound"], rel=0.05), row
