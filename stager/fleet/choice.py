@@ -11,10 +11,12 @@ mirror, which copies it from the NAS as `--transport nas` would.
 The rates are told in the manifest (`[fleet]`: nas_rate, nas_node_rate, relay_rate) or measured in
 the first second of the run, each only when it can change the choice (probe.py, in the agents):
 the links into each node while the agents plan (Ray's own transfer, one hop of a ring each); then
-the head reading the NAS alone; then, only if that is faster than the links, every node reading it
-at once; then, only if the broadcast still wins, what each node's CPU gives a relay. So on the
-usual cluster, a NAS no faster than one link, the NAS gives the measures a few MiB: at most
-PROBE_SHARE of the data, by one node.
+the head reading the NAS alone, with what its cores could give a relay at most; then, only if the
+NAS alone is NAS_MARGIN times faster than the slowest hop known, every node reading it at once
+(and if direct reads then beat the most the broadcast could do, nothing more is waited for); then
+what each node's CPU gives a relay now, under its quota and load. So on the usual cluster, a NAS
+no faster than one link, the measures read the NAS once, PROBE_SHARE of the data (at least
+probe.PROBE_MIN), by the head.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from stager.manifest import FleetConfig
 PROBE_SHARE = 0.0025
 EACH_SHARE = 0.02
 # Below it, direct reads could beat the chain only on a NAS that serves every node at once as fast
-# as it serves one, and by less than this factor; measured on the lab, one SFTP stream and a Ray
-# pull over links of the NAS's own rate differ by up to 1.3x (docs/fleet.md).
+# as it serves one, and by less than this factor. On the lab, whose NAS link is a node link, the
+# head's SFTP read and a Ray pull differed by up to 1.42x (fleet-lab.md): a tighter factor read the
+# NAS from every node on usual runs.
 NAS_MARGIN = 1.5
 PROBE_WAIT = 10.0  # seconds: a probe not answered by then is not waited for (its rate is unknown)
 
