@@ -392,8 +392,8 @@ class Driver:
         """The next node to finish (or found gone or stalled), or None at the deadline."""
         while (self.running or self.pings.asked) and self.left() > 0:
             look = self.watch.next_look() if self.watch is not None else LOOK_INTERVAL
-            ready, _ = self.ray.wait([*self.running, *self.pings.asked], num_returns=1,
-                                     timeout=max(0.0, min(look, self.left(), self.pings.first_due() - time.monotonic())))
+            wait = min(look, self.left(), self.pings.first_due() - time.monotonic())
+            ready, _ = self.ray.wait([*self.running, *self.pings.asked], num_returns=1, timeout=max(0.0, wait))
             self.tracker.tick(self)
             if ready and ready[0] in self.pings.asked:
                 self._pinged(ready[0])

@@ -60,17 +60,19 @@ class Stall:
 class Watch:
     """Every watched agent asked for its progress at each look (at most one a LOOK_INTERVAL),
     every answer taken without waiting: the latest per node, the last few per look, and in
-    `stalled` the agents that answered none of the calls asked in the last SILENCE seconds (START
-    before a first answer). Silence is counted from the ask of the latest call answered, not from
-    when its answer was taken: a node stopped just after an answer is judged SILENCE after it, not
-    a look later. A stalled agent is asked nothing more; its calls still pending are left to Ray
-    (the driver ends the agent)."""
+    `stalled` the agents silent for SILENCE (START before a first answer). A node is silent from
+    the ask of its oldest call still unanswered after the latest it answered: a look that asked
+    nothing (the driver busy elsewhere) makes no node silent. Counted from when the answer was
+    taken instead, a node stopped just after an answer was judged a look late; counted from the
+    latest call answered, a pause between looks made every node look silent (the 8-node lab moved
+    five healthy nodes to the tail). A stalled agent is asked nothing more; its calls still pending
+    are left to Ray (the driver ends the agent)."""
 
     def __init__(self, ray, agents: dict, silence: float = SILENCE, start: float = START):
         self.ray, self.agents, self.silence, self.start = ray, dict(agents), silence, start
         self.asking: dict = {}  # ObjectRef -> (node, look number)
         self.looks: list[float] = []  # when each look asked (monotonic), by look number
-        self.heard: dict[str, float] = {}  # node -> when the latest call it answered was asked, or its first
+        self.answered: dict[str, int] = {}  # node -> the latest look it answered
         self.latest: dict[str, Progress] = {}
         self.by_look: dict[str, dict[int, Progress]] = {}  # node -> look number -> its answer to it
         self.stalled: dict[str, Stall] = {}
@@ -85,7 +87,7 @@ class Watch:
         """Take the answers that came, ask again if a LOOK_INTERVAL has passed, and return the
         agents newly found stalled."""
         now = time.monotonic()
-        self._take_answers(now)
+        self._take_answers()
         if not self.looks or now - self.looks[-1] >= LOOK_INTERVAL:
             self.looks.append(now)
             waiting = {node for node, _number in self.asking.values()}
@@ -93,27 +95,35 @@ class Watch:
                 if node in waiting and node not in self.latest:
                     continue  # not started yet: one call waits for it, not one per look
                 self.asking[agent.progress.remote()] = (node, len(self.looks) - 1)
-                self.heard.setdefault(node, now)
         found = self._judge(now)
         if self.on_look is not None:
             self.on_look()
         return found
 
     def silent_for(self, seconds: float) -> set[str]:
-        """The watched agents that have answered before but none of the calls asked in the last
-        `seconds`: not stalled yet, but nothing should wait on them meanwhile."""
+        """The watched agents that have answered before and have been silent for `seconds`: not
+        stalled yet, but nothing should wait on them meanwhile."""
         now = time.monotonic()
-        waiting = {node for node, _number in self.asking.values()}
-        return {node for node in waiting if node in self.latest and now - self.heard[node] >= seconds}
+        return {node for node, since in self._silent_since().items() if node in self.latest and now - since >= seconds}
 
     def next_look(self) -> float:
         """Seconds until the watch has something to do: ask again, or judge a node whose silence
         runs out. A wait loop waits no longer than this between looks."""
         now = time.monotonic()
         due = [self.looks[-1] + LOOK_INTERVAL] if self.looks else [now]
-        due += [self.heard[node] + (self.silence if node in self.latest else self.start)
-                for node in {node for node, _number in self.asking.values()}]
+        due += [since + self._bound(node) for node, since in self._silent_since().items()]
         return max(0.0, min(LOOK_INTERVAL, min(due) - now))
+
+    def _silent_since(self) -> dict[str, float]:
+        """Per node with a call unanswered since the latest it answered: when the oldest was asked."""
+        since: dict[str, float] = {}
+        for node, number in self.asking.values():
+            if number > self.answered.get(node, -1):
+                since[node] = min(since.get(node, math.inf), self.looks[number])
+        return since
+
+    def _bound(self, node: str) -> float:
+        return self.silence if node in self.latest else self.start
 
     def same_look(self, nodes: set[str]) -> tuple[float, dict[str, Progress]] | None:
         """The latest look every one of `nodes` has answered: when it asked, and their answers.
@@ -124,7 +134,7 @@ class Watch:
                 return self.looks[number], {node: self.by_look[node][number] for node in nodes}
         return None
 
-    def _take_answers(self, now: float) -> None:
+    def _take_answers(self) -> None:
         if not self.asking:
             return
         ready, _ = self.ray.wait(list(self.asking), num_returns=len(self.asking), timeout=0)
@@ -140,7 +150,7 @@ class Watch:
                 continue
             except Exception:  # noqa: BLE001 - the agent answered, though not with its progress
                 answer = None
-            self.heard[node] = max(self.heard.get(node, now), self.looks[number])
+            self.answered[node] = max(self.answered.get(node, -1), number)
             if isinstance(answer, Progress):
                 self.latest[node] = answer
                 kept = self.by_look.setdefault(node, {})
@@ -149,11 +159,8 @@ class Watch:
                     del kept[old]
 
     def _judge(self, now: float) -> list[Stall]:
-        found = []
-        for node in {node for node, _number in self.asking.values()}:
-            silent = now - self.heard[node]
-            if silent >= (self.silence if node in self.latest else self.start):
-                found.append(Stall(node, silent, self.latest.get(node)))
+        found = [Stall(node, now - since, self.latest.get(node)) for node, since in self._silent_since().items()
+                 if now - since >= self._bound(node)]
         for stall in found:
             self.stalled[stall.node] = stall
             self.forget(stall.node)

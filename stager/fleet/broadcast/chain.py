@@ -122,7 +122,8 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
         ready, _ = ray.wait(list(running), num_returns=1,
                             timeout=max(0.0, min(watch.next_look(), deadline - time.monotonic())))
         watch.look()
-        route.around(set(watch.stalled) | watch.silent_for(SILENT_REROUTE), set(running.values()) - set(watch.stalled))
+        silent = set(watch.stalled) | watch.silent_for(SILENT_REROUTE)
+        route.around(silent, set(running.values()) - silent)
         running = {ref: name for ref, name in running.items() if name not in watch.stalled}
         if not ready:
             if time.monotonic() >= deadline:
@@ -130,7 +131,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
                     stats[name]["error"] = "the broadcast did not finish within its share of --timeout"
                     ray.kill(relays[name], no_restart=True)
                 return
-            route.check(set(running.values()) - route.out_of_the_way, watch)
+            route.check(set(running.values()) - silent, watch)
             continue
         if ready[0] not in running:
             continue  # its node was just found stalled
@@ -160,9 +161,10 @@ class _Route:
     after it, and a node that answers nothing holds them back for good: either is moved to the tail
     of the chain, and the node that was taking chunks from it hangs up at once and takes them from
     its upstream instead (the relay's reroute); there the last node serves it from disk. A laggard,
-    once, and never the head (it reads the NAS for everyone). A node silent for SILENT_REROUTE, once,
-    the head too (the next node then reads the NAS): nobody takes anything from it again, and if it
-    answers again it is served at the tail as a laggard is.
+    once, and never the head (it reads the NAS for everyone). A node silent for SILENT_REROUTE, the
+    head too (the next node then reads the NAS), whenever an answering node comes after it: nobody
+    takes anything from it meanwhile, and if it answers again it is served at the tail as a laggard
+    is.
 
     Laggards are judged by rate, not by chunks held: a node just rerouted off a laggard starts that
     laggard's distance behind its new upstream and keeps it while both receive at full speed. Judged
@@ -175,18 +177,18 @@ class _Route:
         self.relays, self.session = relays, session
         self.chain = session.chain
         self.moved: set[str] = set()
-        self.out_of_the_way: set[str] = set()  # silent nodes already moved
         self.total = sum(chunks_in(share.size) for share in session.files)
         self.looks: list[tuple[float, dict[str, int]]] = []  # the last few looks: when, and who held what
         self.seen = -1.0  # the time of the last look taken
         self.quiet_until = 0.0  # no judging before this (monotonic): a reroute is settling
         self.peaks: dict[str, float] = {}  # each node's best receive rate so far, chunks per second
 
-    def around(self, silent: set[str], running: set[str]) -> None:
-        """Move the chain's nodes newly found silent out of everyone's way, once each."""
-        for name in [name for name, _, _ in self.chain if name in silent and name not in self.out_of_the_way]:
-            self.out_of_the_way.add(name)
-            self._to_tail(name, running, time.monotonic())
+    def around(self, silent: set[str], answering: set[str]) -> None:
+        """Move each silent node that a running, answering node still comes after to the tail."""
+        for name in [name for name, _, _ in self.chain if name in silent]:
+            names = [hop[0] for hop in self.chain]
+            if answering & set(names[names.index(name) + 1:]):
+                self._to_tail(name, answering, time.monotonic())
 
     def check(self, running: set[str], watch: Watch) -> None:
         """The laggard rule, on the latest look every running node answered."""
@@ -207,7 +209,7 @@ class _Route:
         rates = {name: (held[name] - before.get(name, 0)) / max(now - then, 1e-3) for name in names}
         for name, rate in rates.items():
             self.peaks[name] = max(rate, self.peaks.get(name, 0.0))
-        name = laggard(names, held, rates, self.peaks, self.moved | self.out_of_the_way)
+        name = laggard(names, held, rates, self.peaks, self.moved)
         if name is not None:
             self.moved.add(name)
             self._to_tail(name, running, now)
