@@ -1,6 +1,7 @@
 """`stage fleet`: one command for every node at once, run as Ray tasks pinned to the nodes.
 
-The rooms: `driver` decides which node runs what and collects what each reported; `cluster`
+The rooms: `driver` decides which node runs what and collects what each reported; `liveness`
+tells it which nodes are still there (Ray node gone, agent dead, agent silent: `stalled`); `cluster`
 joins the Ray cluster, and only one that refuses strangers; `node` is what runs inside a node's
 Ray task; `agent` is a broadcast node's actor for the run (its plan, relay and closing mirror in
 one process); `report` is the per-node outcome and the table; `live` is each node's part as it

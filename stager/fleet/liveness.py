@@ -31,12 +31,12 @@ LOOK_INTERVAL = 1.0
 # How long a node may answer nothing before it counts as gone: a task of nothing after its agent
 # died, or its agent's progress call. One bound for a death and a silence. The ping's task may
 # need a Ray worker started on the node (seconds on a loaded one); an agent's progress call is
-# answered in milliseconds, and on the lab's 2 shared cores within SLOWEST_ANSWER (docs/fleet.md).
-# A node stopped half-way once held `stage fleet mirror` until its --timeout (3,600 s), and its
-# downstream waited 15 s (the relay's STALL_TIMEOUT) before it routed around it.
+# answered in milliseconds, on the lab's 2 shared cores in 243 ms at most (docs/fleet.md, "A node
+# that freezes"). A node stopped half-way once held `stage fleet mirror` until its --timeout
+# (3,600 s), and its downstream waited 15 s (upstream.STALL_TIMEOUT) before it routed around it.
 SILENCE = 10.0
 # An agent's first answer: a Ray worker starting, its imports, the manifest, an SSH session to the
-# NAS (the relays' start bound, broadcast/chain.py's OPEN_TIMEOUT, is the same).
+# NAS (up to 9 s on the loaded lab). The relays' start is given as long (broadcast/chain.py).
 START = 60.0
 # Answers kept per node, by look: the laggard rule compares the nodes' answers to the same look.
 KEPT_LOOKS = 4

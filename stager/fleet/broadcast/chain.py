@@ -28,7 +28,7 @@ LAG_FRACTION = 0.5
 # out of its chain's way, as a laggard is, so that its downstream takes the chunks from its upstream
 # well before the node is found stalled (liveness.SILENCE) and waited for no more. A moving node's
 # agent answers within milliseconds however slow its link or disk (docs/fleet.md): slowness is the
-# laggard rule's, never this one's. Before, the downstream waited 15 s (relay.STALL_TIMEOUT).
+# laggard rule's, never this one's. Before, the downstream waited 15 s (upstream.STALL_TIMEOUT).
 SILENT_REROUTE = 3.0
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
 # of nothing received made the node just rerouted off a laggard look like one (the lab saw it).

@@ -35,7 +35,8 @@ log = logging.getLogger("stager.fleet.broadcast")
 CONNECT_TIMEOUT = 5.0
 HANDSHAKE_TIMEOUT = 10.0
 JOIN_ATTEMPTS = 3
-# An upstream that sends nothing for this long is routed around (a hung node, a cut link).
+# An upstream that sends nothing for this long is routed around (a cut link). A node that stops
+# answering altogether is moved out of the way by the driver before (chain.SILENT_REROUTE).
 STALL_TIMEOUT = 15.0
 
 
