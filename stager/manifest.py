@@ -283,6 +283,9 @@ class FleetConfig:
     nas_rate: int | None = _key(_rate, None)  # what the NAS serves all nodes together
     nas_node_rate: int | None = _key(_rate, None)  # what one node reads from the NAS by itself
     relay_rate: int | None = _key(_rate, None)  # what a node's relay receives and passes on (its link, its CPU)
+    # Connections per hop of the broadcast, each with a thread at either end (docs/fleet.md, "Streams
+    # per hop"); unset, each node takes one per core, at most 4. 64 is the protocol's bound.
+    streams: int | None = _key(_whole(1, 64), None)
 
 
 @dataclass(frozen=True)

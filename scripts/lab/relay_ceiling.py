@@ -7,8 +7,8 @@ sender that costs little and a sink that discards. The sender speaks the broadca
 proves the run's key, then sends each chunk's frame with its key (computed before the clock starts)
 and the chunk with os.sendfile from the page cache (a copy of the file in /dev/shm), and the file's
 sample after its last chunk. The sink proves the key, asks for every stream and throws the bytes
-away unchecked and uncopied (MSG_TRUNC). The relay receives, checks every key, writes with O_DIRECT under --dir, keeps its
-recent chunks and passes every chunk on, as any node between two others does.
+away unchecked and uncopied (MSG_TRUNC). The relay receives, checks every key, writes with O_DIRECT
+under --dir, keeps its recent chunks and passes every chunk on, as any node between two others does.
 
 Per run: the time from the relay's start to the sink's last byte, the relay's rate over it, and the
 relay process's CPU per GB received (every thread, user and system); then the medians per K, and

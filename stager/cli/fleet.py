@@ -65,6 +65,10 @@ def fleet_mirror(
     full: Annotated[bool, typer.Option(
         "--full", help="Check every byte against its content name (SHA-256 of an LFS blob, git's SHA-1 of a small "
                        "file), hashed once, by the node that reads it from the NAS")] = False,
+    streams: Annotated[Optional[int], typer.Option(
+        "--streams", metavar="K", min=1, max=64,
+        help="The broadcast's connections per hop, each on a core of its own at either end [default: [fleet] "
+             "streams, else each node's cores, at most 4]")] = None,
     allow_unauthenticated_cluster: AllowOpenOpt = False,
     json: JsonOpt = False,
     manifest: ManifestOpt = None,
@@ -73,7 +77,7 @@ def fleet_mirror(
 ) -> None:
     """Stage every node (stage mirror on each); bytes two or more nodes need leave the NAS once."""
     _run("mirror", nodes, timeout, allow_unauthenticated_cluster, json, manifest, transport=transport,
-         fan_out=fan_out, ports=ports, bwlimit=bwlimit, full=full)
+         fan_out=fan_out, ports=ports, bwlimit=bwlimit, full=full, streams=streams)
 
 
 @fleet_app.command("verify")

@@ -37,10 +37,12 @@ class NodeAgent:
     (open, run, reroute, close); the driver calls `plan` and `finish`, and `progress` once a
     second (liveness.Watch)."""
 
-    def __init__(self, node: str, manifest_path: str, seed: int, full: bool = False, bwlimit: int | None = None):
+    def __init__(self, node: str, manifest_path: str, seed: int, full: bool = False, bwlimit: int | None = None,
+                 streams: int | None = None):
         """`bwlimit` (bytes per second, --bwlimit): what the node reads from the NAS (its relay as a
         chain's head or fallback, its samples, its closing mirror: one bucket), and, in a bucket
-        of its own, what its relay sends its downstreams."""
+        of its own, what its relay sends its downstreams. `streams` (--streams): the connections its
+        relay receives each session on, else `[fleet] streams`, else its cores (relay.default_streams)."""
         from stager.base import hints
         from stager.mirror import pipeline as mirror
         from stager.manifest import load_manifest
@@ -54,7 +56,8 @@ class NodeAgent:
         # The job's source is the NAS: only nodes that stage from the NAS itself take part.
         self.digests = DigestCache(self.job.source, seed)
         self.full = full  # stage fleet mirror --full: the plan, the relay and the closing mirror alike
-        self.relay = Relay(node, manifest.nodes[node].hub, self.digests, self.job.never_write, full)
+        self.relay = Relay(node, manifest.nodes[node].hub, self.digests, self.job.never_write, full,
+                           streams or manifest.fleet.streams)
         self.relay.send_limit = Throttle(bwlimit) if bwlimit else None
         self.phase = "plan"
         self.copying = (0, 0, 0)  # the closing mirror's bar: (step, bytes done, bytes to do)
@@ -136,12 +139,12 @@ class NodeAgent:
 
 
 def start_agents(ray, manifest_path: str, names: list[str], seed: int, full: bool = False,
-                 bwlimit: int | None = None) -> dict:
+                 bwlimit: int | None = None, streams: int | None = None) -> dict:
     """An agent on each named node, pinned by its label. Creation returns at once; an agent that
     cannot start shows when it is first called."""
     actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=32)(NodeAgent)
     return {name: actor.options(label_selector={LABEL: name}, name=f"stage fleet agent {name}").remote(
-        name, manifest_path, seed, full, bwlimit) for name in names}
+        name, manifest_path, seed, full, bwlimit, streams) for name in names}
 
 
 def _answer(command: Callable, budget: float) -> dict:

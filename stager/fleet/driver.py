@@ -52,7 +52,8 @@ class PruneOptions:
 def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
               fan_out: bool = False, transport: str | None = None, ports: str | None = None, full: bool = False,
               subset: str | None = None, prune: PruneOptions = PruneOptions(), bwlimit: str | None = None,
-              allow_unauthenticated: bool = False, show: Callable[[list[str]], None] | None = None,
+              streams: int | None = None, allow_unauthenticated: bool = False,
+              show: Callable[[list[str]], None] | None = None,
               warn: Callable[[str], None] | None = None) -> FleetReport:
     """`show` is handed a line per node as the run goes (live.Tracker), `warn` the warning for
     nodes that read the NAS instead of their peers, once."""
@@ -68,6 +69,8 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     port_range = parse_ports(ports)
     if port_range and transport != "broadcast":
         raise BadInput("--ports applies to the broadcast transport only (stage fleet mirror)")
+    if streams is not None and transport != "broadcast":
+        raise BadInput("--streams applies to the broadcast transport only (stage fleet mirror)")
     options = verify_options(command, full, subset) + prune_options(command, prune) + mirror_options(
         command, bwlimit)
     ray = import_ray()
@@ -80,7 +83,8 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     # --json promises one object: while Ray is up, whatever it prints goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
         address, auth, runs, delivered, choice = _run(ray, manifest, command, names, transport, port_range, options,
-                                                      started, timeout, allow_unauthenticated, choosing, tracker)
+                                                      started, timeout, allow_unauthenticated, choosing, tracker,
+                                                      streams)
     if choice is not None:
         transport = choice.transport
     if transport is not None:
@@ -92,7 +96,7 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
 
 def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str | None,
          port_range: tuple[int, int] | None, options: tuple[str, ...], started: float, timeout: float,
-         allow_unauthenticated: bool, choosing: bool, tracker: Tracker):
+         allow_unauthenticated: bool, choosing: bool, tracker: Tracker, streams: int | None):
     address, auth = connect(ray, min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
     delivered: dict[str, dict] = {}
     try:
@@ -104,7 +108,7 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
         elif transport == "broadcast":
             driver.options = ("--wait", f"{LOCK_WAIT:g}", *options)
             driver.choosing = choosing
-            delivered = broadcast_shared(driver, names, port_range)
+            delivered = broadcast_shared(driver, names, port_range, streams)
             runs = driver.all_at_once([name for name in names if name not in driver.started()])
             for name, why in driver.replaced.items():
                 got = delivered.setdefault(name, {})
@@ -179,12 +183,13 @@ def parse_ports(ports: str | None) -> tuple[int, int] | None:
     return chosen
 
 
-def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] | None) -> dict[str, dict]:
+def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] | None,
+                     streams: int | None = None) -> dict[str, dict]:
     """The files two or more nodes need, moved by the broadcast. Each node that can take part gets
     an agent (agent.py) that opens its relay while it makes the node's plan (a dry run), and runs
     the node's closing mirror as soon as the relay has received its last file; the other nodes
     run their own mirror at once. The broadcast gets the deadline less a share kept for the
-    closing mirrors."""
+    closing mirrors. `streams` (--streams): connections per hop, else the manifest's or each node's."""
     from stager.fleet.agent import start_agents
     from stager.fleet.broadcast.chain import broadcast
     from stager.fleet.choice import Choice, Probes, choose
@@ -207,7 +212,8 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
             driver.launch(name)
     # One seed for the run: every node samples the same regions, so one node's sample serves all.
     watch = driver.watch_agents(start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32),
-                                             full="--full" in driver.options, bwlimit=bwlimit(driver.options)))
+                                             full="--full" in driver.options, bwlimit=bwlimit(driver.options),
+                                             streams=streams))
     probes = Probes(driver.ray, driver.agents, watch, manifest.fleet) if driver.choosing else None
 
     def plan():

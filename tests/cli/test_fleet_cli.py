@@ -26,7 +26,7 @@ MiB = 1024 * 1024
 COMMON = {"--nodes", "--timeout", "--allow-unauthenticated-cluster", "--json", "-m", "--manifest", "-q", "--quiet",
           "-v", "--verbose", "-h", "--help"}
 OWN = {
-    "mirror": {"--transport", "--fan-out", "--ports", "--bwlimit", "--full"},
+    "mirror": {"--transport", "--fan-out", "--ports", "--bwlimit", "--full", "--streams"},
     "verify": {"--full", "--subset"},
     "pack-engram": set(),
     "audit": set(),
@@ -81,6 +81,20 @@ def test_bwlimit_is_refused_before_the_cluster_is_asked(demo):
         result = stage("fleet", "mirror", "--bwlimit", value, "--json", "--manifest", demo)
         assert result.returncode == 2 and "Invalid value for '--bwlimit'" in result.stderr, result.stderr
         assert json.loads(result.stdout)["exit_code"] == 2
+
+
+def test_streams_out_of_range_or_off_the_broadcast_exits_2_naming_it(demo, tmp_path):
+    for value in ("0", "65", "two"):
+        result = stage("fleet", "mirror", "--streams", value, "--json", "--manifest", demo)
+        assert result.returncode == 2 and "Invalid value for '--streams'" in result.stderr, result.stderr
+    result = stage("fleet", "mirror", "--streams", "2", "--transport", "nas", "--manifest", demo)
+    assert result.returncode == 2 and "--streams applies to the broadcast transport only" in result.stderr
+    for number, value in enumerate(("0", "65", "2.0", '"4"')):
+        manifest = tmp_path / f"streams-{number}.toml"
+        manifest.write_text(demo.read_text() + f"\n[fleet]\nstreams = {value}\n")
+        result = stage("fleet", "mirror", "--manifest", manifest)
+        assert result.returncode == 2 and f"{manifest}: fleet.streams: expected a whole number" in result.stderr, (
+            value, result.stderr)
 
 
 def test_each_node_mirrors_at_the_rate(demo):
