@@ -498,7 +498,8 @@ class _Feed:
                 # as the next file's first chunk and named a healthy peer.
                 taken.append(upstream.take_sample(file_id, held.size))
 
-        self._in_threads([lambda upstream=upstream: part(upstream) for upstream in self.upstreams])
+        # A file of fewer chunks than streams: a thread for each stream that carries one.
+        self._in_threads([lambda upstream=upstream: part(upstream) for upstream in self.upstreams[:last + 1]])
         if taken and taken[0] is not None and file_id not in self.read_nas:
             method = self.session.files[file_id].reference.method if self.relay.full else f"sampled:{self.cache.seed}"
             self.vouched[file_id] = Digest(method, held.size, taken[0])
