@@ -1,6 +1,7 @@
 """How fast one broadcast relay moves bytes when nothing else is the limit, by streams per hop.
 
     python scripts/lab/relay_ceiling.py --size-mib 1024 --streams 1,2 --reps 5 --dir /var/tmp/ceiling
+    python scripts/lab/relay_ceiling.py --relays stager,bare-keyed,bare --streams 1,2
 
 One relay (the code of `stage fleet mirror`, in a process of its own) as a middle node between a
 sender that costs little and a sink that discards. The sender speaks the broadcast's protocol: it
@@ -10,10 +11,16 @@ sample after its last chunk. The sink proves the key, asks for every stream and 
 away unchecked and uncopied (MSG_TRUNC). The relay receives, checks every key, writes with O_DIRECT
 under --dir, keeps its recent chunks and passes every chunk on, as any node between two others does.
 
+`--relays` puts other relays in its place, in the same runs: `bare-keyed` is the least a relay's
+data path can cost here, the same calls per chunk as the relay's (the frame and the chunk received
+whole into an aligned buffer, the chunk's key checked, an O_DIRECT write from that buffer, frame and
+chunk sent on in one call) in a bare loop per stream, with no bookkeeping, no landing check, no
+kept chunks and no serving thread; `bare` is the same without the key.
+
 Per run: the time from the relay's start to the sink's last byte, the relay's rate over it, and the
-relay process's CPU per GB received (every thread, user and system); then the medians per K, and
-each K's rate over K = 1's. Runs rotate through the K values so that every K sees the same spells
-of whatever else the machine is doing.
+relay process's CPU per GB received (every thread, user and system); then the medians per relay
+and K, and each K's rate over the first K's. Runs rotate through the (relay, K) pairs so that each
+sees the same spells of whatever else the machine is doing.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from stager.fleet.broadcast.relay import CHUNK, Relay, Session, Share
 from stager.mirror.fingerprint import sampled_digest
 from stager.mirror.observe import DigestCache
 from stager.sources import open_source
+from stager.sources.local import DIRECT_ALIGN, aligned_buffer
 
 SEED = 7  # of the sampled checks: the sender's sample of the file and the relay's check of its copy agree on it
 SHM = Path("/dev/shm")
@@ -52,6 +60,53 @@ def relay_process(hub: Path, nas: Path, key: bytes, run_id: bytes, streams: int,
     after = resource.getrusage(resource.RUSAGE_SELF)
     results.put((started, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime, got))
     relay.close()
+
+
+def bare_process(hub: Path, size: int, keyed: bool, key: bytes, run_id: bytes, streams: int, ports, sessions,
+                 results, drained):
+    listener = socket.create_server(("127.0.0.1", 0))
+    ports.put(listener.getsockname()[1])
+    _, host, port = sessions.get().chain[0]
+    hub.mkdir(parents=True)
+    fd = os.open(hub / "blob", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.monotonic()
+    downs = {}
+    while len(downs) < streams:  # the sink's connections, each proving the key and naming its stream
+        conn, _ = listener.accept()
+        greeting, nonce = keys.challenge()
+        conn.sendall(greeting)
+        conn.sendall(keys.server_proof(key, run_id, nonce, keys.recv_exact(conn, keys.ANSWER_BYTES)))
+        downs[wire.read_request(conn)[1]] = conn
+
+    def stream(number: int) -> None:
+        with socket.create_connection((host, port)) as up, downs[number] as down:
+            keys.join(up, key, run_id)
+            first = number * CHUNK
+            up.sendall(wire.request(0, number, streams, "relay", [first if first < size else size]))
+            header, buffer = memoryview(bytearray(wire.FRAME.size)), memoryview(aligned_buffer(CHUNK))
+            while True:
+                wire.recv_into_all(up, header)
+                kind, file_id, offset, length, mac = wire.FRAME.unpack(header)
+                if kind == wire.END:
+                    return
+                view = buffer[:length]
+                wire.recv_into_all(up, view)
+                if kind == wire.DATA:
+                    if keyed and not keys.mac_ok(keys.chunk_mac(key, run_id, file_id, offset, view), mac):
+                        raise ValueError(f"a chunk at {offset} failed its key")
+                    os.pwrite(fd, view[:length - length % DIRECT_ALIGN], offset)  # the direct write's whole blocks
+                wire.send_all(down, header, view)
+
+    threads = [threading.Thread(target=stream, args=(number,)) for number in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    drained.wait(600)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    results.put((started, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime,
+                 {"peer_bytes": size, "nas_bytes": 0, "landed_files": 1, "bad_senders": []}))
 
 
 class Sender:
@@ -130,15 +185,16 @@ def sink(port: int, key: bytes, run_id: bytes, streams: int, size: int) -> int:
     return sum(total)
 
 
-def one_run(root: Path, nas: Path, cached: Path, share: Share, sample: str, streams: int) -> dict:
+def one_run(root: Path, nas: Path, cached: Path, share: Share, sample: str, relay: str, streams: int) -> dict:
     key, run_id = keys.mint()
     sender = Sender(cached, share, key, run_id, sample)
     hub = root / "relay" / "hub"
     shutil.rmtree(hub.parent, ignore_errors=True)
     context = multiprocessing.get_context("fork")
     ports, sessions, results, drained = context.Queue(), context.Queue(), context.Queue(), context.Event()
-    proc = context.Process(target=relay_process, args=(hub, nas, key, run_id, streams, ports, sessions, results,
-                                                       drained))
+    queues = (key, run_id, streams, ports, sessions, results, drained)
+    proc = context.Process(target=relay_process, args=(hub, nas, *queues)) if relay == "stager" else \
+        context.Process(target=bare_process, args=(hub, share.size, relay == "bare-keyed", *queues))
     proc.start()
     try:
         port = ports.get(timeout=60)
@@ -159,7 +215,7 @@ def one_run(root: Path, nas: Path, cached: Path, share: Share, sample: str, stre
     gb = (got["peer_bytes"] + got["nas_bytes"]) / 1e9
     landed = got["landed_files"] == 1 and got["peer_bytes"] == share.size
     # The sink gets each chunk with its frame, and the sample: at least the file's bytes.
-    return {"streams": streams, "seconds": ended - started, "gb_per_s": share.size / 1e9 / (ended - started),
+    return {"relay": relay, "streams": streams, "seconds": ended - started, "gb_per_s": share.size / 1e9 / (ended - started),
             "cpu_per_gb": (user + system) / gb, "user_per_gb": user / gb, "system_per_gb": system / gb,
             "ok": landed and received >= share.size and not got["bad_senders"]}
 
@@ -168,6 +224,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--streams", default="1,2", help="the K values to run, comma-separated")
+    parser.add_argument("--relays", default="stager", help="stager (the relay of stage fleet mirror), bare-keyed, "
+                                                           "bare: which relays to run, comma-separated")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp/stage-relay-ceiling"),
                         help="where the relay writes (its disk is part of what is measured)")
@@ -188,24 +246,25 @@ def main() -> None:
     reader = open_source(str(nas), {}).open(share.source, uncached=False)
     sample = sampled_digest(reader, SEED).value
     reader.close()
-    runs: dict[int, list[dict]] = {k: [] for k in ks}
+    pairs = [(relay, k) for relay in args.relays.split(",") for k in ks]
+    runs: dict[tuple[str, int], list[dict]] = {pair: [] for pair in pairs}
     try:
         for rep in range(args.reps):
-            for k in ks[rep % len(ks):] + ks[:rep % len(ks)]:
-                run = one_run(root, nas, cached, share, sample, k)
-                runs[k].append(run)
-                print(f"run {rep + 1}, K = {k}: {run['seconds']:.2f} s, {run['gb_per_s']:.2f} GB/s, relay "
+            for relay, k in pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]:
+                run = one_run(root, nas, cached, share, sample, relay, k)
+                runs[relay, k].append(run)
+                print(f"run {rep + 1}, {relay}, K = {k}: {run['seconds']:.2f} s, {run['gb_per_s']:.2f} GB/s, "
                       f"{run['cpu_per_gb']:.2f} s CPU per GB (user {run['user_per_gb']:.2f}, system "
                       f"{run['system_per_gb']:.2f}){'' if run['ok'] else ', NOT RIGHT'}", flush=True)
     finally:
         shutil.rmtree(nas, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
-    base = statistics.median(run["gb_per_s"] for run in runs[ks[0]])
-    for k in ks:
-        rate = statistics.median(run["gb_per_s"] for run in runs[k])
-        cpu = statistics.median(run["cpu_per_gb"] for run in runs[k])
-        print(f"K = {k}: {rate:.2f} GB/s ({rate / base:.2f}x K = {ks[0]}), {cpu:.2f} s CPU per GB, medians of "
-              f"{len(runs[k])}; every run right: {all(run['ok'] for run in runs[k])}")
+    for relay, k in pairs:
+        base = statistics.median(run["gb_per_s"] for run in runs[relay, ks[0]])
+        rate = statistics.median(run["gb_per_s"] for run in runs[relay, k])
+        cpu = statistics.median(run["cpu_per_gb"] for run in runs[relay, k])
+        print(f"{relay}, K = {k}: {rate:.2f} GB/s ({rate / base:.2f}x K = {ks[0]}), {cpu:.2f} s CPU per GB, medians "
+              f"of {len(runs[relay, k])}; every run right: {all(run['ok'] for run in runs[relay, k])}")
 
 
 if __name__ == "__main__":
