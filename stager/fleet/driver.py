@@ -313,6 +313,7 @@ class Driver:
     replaced: dict[str, str] = field(default_factory=dict)  # node -> why its agent's part fell back to a task
     watch: Watch | None = None  # the agents' answers, while there are agents
     tracker: Tracker | None = None  # each node's part as it goes, for a display; who reads the NAS instead
+    agents_started: float = 0.0  # when the agents were started (monotonic): a broadcast node's seconds count from it
     choosing: bool = False  # the broadcast chooses per group between itself and direct reads
     choice: Choice | None = None  # what it chose, once the groups are known
 
@@ -354,6 +355,7 @@ class Driver:
     def watch_agents(self, agents: dict) -> Watch:
         """The run's broadcast agents, one per node, asked for their progress from now on."""
         self.agents = agents
+        self.agents_started = time.monotonic()
         self.watch = Watch(self.ray, agents)
         self.watch.on_look = lambda: self.tracker.tick(self)
         return self.watch
@@ -412,6 +414,9 @@ class Driver:
                     continue
                 if self.watch is not None:
                     self.watch.forget(node)
+                if agent is not None and run.seconds is not None:
+                    # The node's part: its plan and what its relay received, not its closing mirror alone.
+                    run = replace(run, seconds=time.monotonic() - self.agents_started)
                 self.runs[node] = run
                 return run
             gone = self.stalled_node() or self.silent_node() or self.lost_node()
