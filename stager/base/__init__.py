@@ -9,4 +9,5 @@
     hints         the `repair:` commands a report ends with
     text          names made safe to print
     workers       bounded thread pools that stop at the first failure
+    progress_pipe a command's byte counts for the process that runs it (stage fleet's tasks)
 """
