@@ -172,6 +172,7 @@ class Tracker:
         self.asked_at = 0.0
         self.tasks: dict[str, Progress] = {}  # node -> its task's latest progress, from the board
         self.agents: dict[str, Progress] = {}  # node -> its agent's last answer seen
+        self.as_tasks: set[str] = set()  # nodes whose node-local command ran as a Ray task
         self.samples: dict[str, deque] = {}  # node -> (when, what it was doing, bytes done), for its rate
         self.drawn = 0.0
         self.ended: set[str] = set()
@@ -217,6 +218,7 @@ class Tracker:
         if watch is not None:
             self.agents.update(watch.latest)
         tasks = {node: source for node, source, agent in driver.running.values() if agent is None}
+        self.as_tasks.update(tasks)
         states = [self._state(node, now, driver, tasks) for node in self.names]
         self._say_known(driver.runs)
         newly_ended = {state.node for state in states if state.ended} - self.ended
@@ -267,8 +269,9 @@ class Tracker:
     def _state(self, node: str, now: float, driver, tasks: dict[str, str | None]) -> NodeState:
         run = driver.runs.get(node)
         if run is not None:
-            agent = self.agents.get(node)
-            got = (run.bytes or 0) + (agent.done_bytes if agent and self.command == "mirror" else 0)
+            # A task's mirror copied all it got; a broadcast node's bytes are its relay's too, whose
+            # last answer may predate its last chunk: the table has them.
+            got = run.bytes if self.command == "mirror" and node in self.as_tasks else None
             return NodeState(node, run.status, done_bytes=got, seconds=run.seconds or now - self.started,
                              ended=True)
         elapsed = now - self.started
