@@ -89,17 +89,28 @@ CORRUPTING_SITE = '''import os
 import socket
 
 _sendall = socket.socket.sendall
+_sendmsg = socket.socket.sendmsg
 _flag = os.environ.get("STAGE_LAB_CORRUPT_FLAG", "")
 
 
-def _corrupting_sendall(self, data, *args):
+def _corrupting(data):
     if len(data) >= 1 << 20 and _flag and os.path.exists(_flag):
         data = bytearray(data)
         data[len(data) // 2] ^= 0x01
-    return _sendall(self, data, *args)
+    return data
+
+
+def _corrupting_sendall(self, data, *args):
+    return _sendall(self, _corrupting(data), *args)
+
+
+def _corrupting_sendmsg(self, buffers, *args):
+    # The relay sends a chunk as one sendmsg of its frame and a view of its buffer.
+    return _sendmsg(self, [_corrupting(memoryview(b).cast("B")) for b in buffers], *args)
 
 
 socket.socket.sendall = _corrupting_sendall
+socket.socket.sendmsg = _corrupting_sendmsg
 '''
 
 
