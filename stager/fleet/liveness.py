@@ -104,7 +104,8 @@ class Watch:
         """The watched agents that have answered before and have been silent for `seconds`: not
         stalled yet, but nothing should wait on them meanwhile."""
         now = time.monotonic()
-        return {node for node, since in self._silent_since().items() if node in self.latest and now - since >= seconds}
+        return {node for node, since in self._silent_since().items()
+                if node in self.latest and now - since >= seconds}
 
     def next_look(self) -> float:
         """Seconds until the watch has something to do: ask again, or judge a node whose silence

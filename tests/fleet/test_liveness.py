@@ -1,0 +1,102 @@
+"""liveness.Watch against real Ray actors on a one-node Ray started for the test: an actor whose
+worker process is stopped with SIGSTOP goes silent, then stalled, with its last answer; a healthy
+one never does, even when the driver pauses between looks for longer than both bounds (the lab once
+took such a pause for silence and moved five healthy nodes). Run in a subprocess of its own, on
+loopback, so that no other test's Ray settings reach it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+SCENARIO = r"""
+import json, os, signal, sys, time
+import ray
+from stager.fleet.liveness import Watch
+from stager.fleet.report import Progress
+
+SILENCE, SHORT, PAUSE = 4.0, 2.0, 6.0
+
+
+class Agent:
+    def __init__(self):
+        self.looks = 0
+
+    def pid(self):
+        return os.getpid()
+
+    def progress(self):
+        self.looks += 1
+        return Progress("broadcast", done_bytes=self.looks, total_bytes=100)
+
+
+def looking(watch, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        watch.look()
+        time.sleep(0.1)
+
+
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=sys.argv[1])
+actor = ray.remote(num_cpus=0, max_concurrency=4)(Agent)
+agents = {"healthy": actor.remote(), "frozen": actor.remote()}
+pids = {name: ray.get(agent.pid.remote()) for name, agent in agents.items()}
+watch = Watch(ray, agents, silence=SILENCE, start=30.0)
+out = {}
+looking(watch, 2.0)
+time.sleep(PAUSE)  # the driver busy elsewhere: no look, no call asked
+watch.look()
+out["after_pause"] = {"silent": sorted(watch.silent_for(SHORT)), "stalled": sorted(watch.stalled)}
+looking(watch, 1.5)
+answered = watch.latest["frozen"].done_bytes
+os.kill(pids["frozen"], signal.SIGSTOP)
+stopped = time.monotonic()
+try:
+    while "frozen" not in watch.stalled and time.monotonic() - stopped < 20:
+        watch.look()
+        if "frozen" in watch.silent_for(SHORT):
+            out.setdefault("silent_after", time.monotonic() - stopped)
+        time.sleep(0.05)
+    out["stalled_after"] = time.monotonic() - stopped
+finally:
+    os.kill(pids["frozen"], signal.SIGCONT)
+stall = watch.stalled.get("frozen")
+out["stalled"] = sorted(watch.stalled)
+out["silent_now"] = sorted(watch.silent_for(SHORT))
+out["last_held"] = stall.last.done_bytes if stall and stall.last else None
+out["answered_before_stop"] = answered
+print(json.dumps(out))
+ray.shutdown()
+"""
+
+
+def test_a_stopped_agent_is_silent_then_stalled_and_a_pause_between_looks_is_no_silence(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # Ray's session directory holds unix sockets: a short path.
+    short = Path(f"/tmp/stliv-{os.getpid()}")
+    short.mkdir(exist_ok=True)
+    try:
+        proc = subprocess.run([sys.executable, "-c", SCENARIO, str(short)], env=env, capture_output=True,
+                              text=True, timeout=180)
+    finally:
+        subprocess.run(["rm", "-rf", str(short)], check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # A pause of 6 s between looks, longer than both bounds: nobody answered late, nobody is silent.
+    assert out["after_pause"] == {"silent": [], "stalled": []}, out
+    # Stopped: silent within the short bound (plus a look), stalled within SILENCE (plus a look),
+    # never before SILENCE less the look it may have missed; the healthy one, never.
+    assert 2.0 - 1.0 <= out["silent_after"] <= 2.0 + 1.5, out
+    assert 4.0 - 1.0 <= out["stalled_after"] <= 4.0 + 1.5, out
+    assert out["stalled"] == ["frozen"] and out["silent_now"] == [], out
+    # Its last answer is what it held when it stopped (one look at most before the stop).
+    assert out["answered_before_stop"] - 1 <= out["last_held"] <= out["answered_before_stop"] + 1, out
