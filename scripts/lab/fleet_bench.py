@@ -28,7 +28,8 @@ into one page-aligned buffer, writes it with O_DIRECT from that buffer and passe
 sendall; no hashing, no Ray. Its CPU is each node's cgroup, as for every transport.
 
 Other transports: `auto` is `stage fleet mirror` told no transport (the driver's choice, and its
-measures); `auto-full` the same with --full; `nas`, `sftp`, `broadcast` as --transport says.
+measures); `auto-full` the same with --full; `nas`, `sftp`, `broadcast` as --transport says;
+`broadcast@K` the broadcast on K streams per hop (--streams K), for K side by side in the same rounds.
 
 Modes of the lab (fleet_lab.py): --fast-nas (the NAS as a path every namespace reads, past the
 shaped links) and --cpu-quota CORES (each node's processes capped by cgroup v1); both make direct
@@ -78,6 +79,12 @@ TRANSPORT_ARGS = {"nas": ["--transport", "nas"], "sftp": ["--transport", "sftp"]
 PLAIN_CHUNK = 1024 * 1024
 DIRECT_ALIGN = 4096
 SURVIVES_A_KILL = ("broadcast",)
+
+
+def transport_args(transport: str) -> list[str]:
+    """The fleet options of one of this bench's transports: NAME, or NAME@K for --streams K."""
+    name, _, streams = transport.partition("@")
+    return TRANSPORT_ARGS[name] + (["--streams", streams] if streams else [])
 
 
 # ---- the plain chain (a baseline) -----------------------------------------------------------------
@@ -320,7 +327,8 @@ def run_fleet_mirror(lab: Lab, transport: str, nodes: list[Member], timeout: flo
     idle = idle_rates(lab, nodes)
     cpu_before = {m.name: lab.cpu_seconds(m) or 0.0 for m in nodes}
     # A broadcast needs two nodes; with one it is that node reading the NAS, which is T(1).
-    chosen = TRANSPORT_ARGS["nas"] if transport == "broadcast" and len(nodes) == 1 else TRANSPORT_ARGS[transport]
+    broadcast = transport.partition("@")[0] == "broadcast"
+    chosen = TRANSPORT_ARGS["nas"] if broadcast and len(nodes) == 1 else transport_args(transport)
     argv = [sys.executable, "-m", "stager", "fleet", "mirror", *chosen, "--json", "--nodes",
             ",".join(m.name for m in nodes), "--timeout", str(int(timeout)), "--manifest", str(lab.manifest)]
     before, read_before, started = lab.counters(), sftp_read(lab), time.monotonic()
@@ -391,7 +399,7 @@ def bench_lab(lab: Lab, args, counts: list[int], results: dict) -> None:
             record(results, args, {"transport": transport, "n": n, "rep": rep, "size": lab.config.size,
                                    "data_bytes": lab.data_bytes, **run})
         if args.kill:
-            for transport in (t for t in args.transports if t in SURVIVES_A_KILL):
+            for transport in (t for t in args.transports if t.partition("@")[0] in SURVIVES_A_KILL):
                 n = max(counts)
                 clean = [r for r in results["runs"] if r["transport"] == transport and r["n"] == n
                          and not r.get("killed")]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,6 +242,43 @@ def test_a_corrupting_peer_is_refused_named_and_routed_around(lab):
     assert_every_byte_right(lab)
     named = {sender for n in nodes for sender in run.report["nodes"][n]["bad_senders"]}
     assert named == {nodes[0]}, run.report["nodes"]
+
+
+def relay_connections(lab, member) -> Counter:
+    """The connections a node holds open to relays' ports right now, by relay (seen from inside
+    its namespace: the peer's port is one of PORTS)."""
+    listed = run(["ip", "netns", "exec", member.namespace, "ss", "-tnH", "state", "established"], check=False).stdout
+    peers = (line.split()[-1].rsplit(":", 1) for line in listed.splitlines() if line.strip())
+    return Counter(host for host, port in peers if PORTS[0] <= int(port) <= PORTS[1])
+
+
+def test_k_streams_per_hop_carry_every_byte_to_every_node(lab):
+    """--streams 3: every node but the head takes the chain from its upstream on three connections
+    at once (counted from inside its namespace while the run goes), and every file of every node
+    is right by SHA-256 and `stage fleet verify --full`, the shards received from peers once each."""
+    data, nodes = lab.data_bytes, list(lab.nodes)
+    most: dict[str, int] = dict.fromkeys(nodes, 0)
+    done = threading.Event()
+
+    def count() -> None:
+        while not done.is_set():
+            for name in nodes:
+                most[name] = max([most[name], *relay_connections(lab, lab.nodes[name]).values()])
+            time.sleep(0.1)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        streamed = broadcast(lab, "--streams", "3")
+    finally:
+        done.set()
+        counter.join()
+    assert streamed.code == 0, streamed.stderr
+    assert_every_byte_right(lab)
+    assert most == {name: 0 if name == nodes[0] else 3 for name in nodes}, most
+    shards = data - len(b'{"architectures": ["LabForCausalLM"]}')  # the config.json is each node's own copy
+    assert sum(streamed.report["nodes"][n]["peer_bytes"] for n in nodes) == (len(nodes) - 1) * shards
+    assert data <= streamed.nas_sent <= WIRE_OVERHEAD * (1.02 * data + broadcast_sample_allowance(len(nodes)))
 
 
 def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab, clean_broadcast):
