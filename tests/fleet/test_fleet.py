@@ -445,7 +445,7 @@ def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memo
     scanner = threading.Thread(target=scan_processes, daemon=True)
     scanner.start()
     try:
-        report = run_fleet(load_manifest(manifest), "mirror", None, timeout=120).to_json()
+        report = run_fleet(load_manifest(manifest), "mirror", None, timeout=120, transport="broadcast").to_json()
     finally:
         stop.set()
         scanner.join()
