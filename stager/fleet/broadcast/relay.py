@@ -430,7 +430,10 @@ class _Feed:
     from the nearest live upstream, else the NAS. Chunk n of a file travels on stream n % K; the
     streams of a file run in threads of their own (K - 1 of them, and the caller's), each
     receiving, checking, writing and keeping its chunks for the senders, and the file is whole when
-    all have returned. A node with no upstream (the head) reads the NAS in order, in one thread."""
+    all have returned. A node with no upstream (the head) reads the NAS on every stream too, each
+    read in its turn in the file's order (the NAS sees one sequential reader, as its read-ahead
+    expects) while the keys and the writes run side by side; with --full it reads in one thread,
+    hashing the file in order as it reads."""
 
     def __init__(self, relay: Relay, session: Session, files: list[_Held], cache: DigestCache):
         self.relay = relay
@@ -443,8 +446,9 @@ class _Feed:
         self.bad_senders: list[str] = []
         self.used: list[str] = []
         self.stopping = False  # a stream of the current file failed: the others give up on it
-        self.nas = threading.Lock()  # the file's one NAS reader, and what was read of it, for every stream
+        self.nas = threading.Condition()  # the file's one NAS reader, what was read of it, whose turn it is
         self.read_nas: set[int] = set()  # files of which this node read some chunk from the NAS
+        self.turn: dict[int, int] = {}  # file id -> the chunk to come next, for a file read from the NAS in order
         self.nas_bytes = 0
         self.upstreams = [Upstream(self, stream, relay.streams) for stream in range(relay.streams)]
 
@@ -469,8 +473,9 @@ class _Feed:
         held.fd = os.open(f"/proc/self/fd/{out.fd}", os.O_RDONLY | os.O_CLOEXEC)
         hashed = 0  # bytes fed to `hasher`, in order from the first: this node's own reads of the NAS
         try:
-            if any(upstream.candidates for upstream in self.upstreams):
-                self._striped(file_id, reader, out, sample=hasher is None)
+            upstream = any(upstream.candidates for upstream in self.upstreams)
+            if upstream or hasher is None:
+                self._striped(file_id, reader, out, sample=hasher is None, in_order=not upstream)
             else:
                 with DirectWriter(out.fd) as writer:
                     _, hashed = self._chunks(file_id, range(chunks_in(held.size)), None, reader, writer, hasher,
@@ -481,9 +486,10 @@ class _Feed:
             self.close()  # what the upstreams still send for this file is of no use now
             raise
 
-    def _striped(self, file_id: int, reader, out, sample: bool) -> None:
+    def _striped(self, file_id: int, reader, out, sample: bool, in_order: bool) -> None:
         """Every stream's chunks of the file at once, then the sample from the stream that carried
-        the last chunk: vouched for the file if no chunk of it came from the NAS."""
+        the last chunk: vouched for the file if no chunk of it came from the NAS. `in_order`: the
+        NAS is read in the file's order, whichever stream reads."""
         held = self.files[file_id]
         last = chunks_in(held.size) - 1
         taken: list[str | None] = []
@@ -491,21 +497,29 @@ class _Feed:
         def part(upstream: Upstream) -> None:
             with DirectWriter(out.fd) as writer:
                 from_peer, _ = self._chunks(file_id, range(upstream.stream, last + 1, len(self.upstreams)), upstream,
-                                            reader, writer, None, sample)
+                                            reader, writer, None, sample, in_order)
             if from_peer and last % len(self.upstreams) == upstream.stream:
                 # Taken off the connection even when unused: a node that read part of the file
                 # from the NAS and the rest from a peer (rerouted onto it) once read this frame
                 # as the next file's first chunk and named a healthy peer.
                 taken.append(upstream.take_sample(file_id, held.size))
 
+        def alone() -> None:
+            if in_order:  # every chunk from the NAS, in order, in this one thread
+                with DirectWriter(out.fd) as writer:
+                    self._chunks(file_id, range(last + 1), None, reader, writer, None, sample)
+            else:
+                for upstream in self.upstreams[:last + 1]:
+                    part(upstream)
+
         # A file of fewer chunks than streams: a thread for each stream that carries one.
-        self._in_threads([lambda upstream=upstream: part(upstream) for upstream in self.upstreams[:last + 1]])
+        self._in_threads([lambda upstream=upstream: part(upstream) for upstream in self.upstreams[:last + 1]], alone)
         if taken and taken[0] is not None and file_id not in self.read_nas:
             method = self.session.files[file_id].reference.method if self.relay.full else f"sampled:{self.cache.seed}"
             self.vouched[file_id] = Digest(method, held.size, taken[0])
 
     def _chunks(self, file_id: int, numbers: range, upstream: Upstream | None, reader, writer: DirectWriter,
-                hasher, sample: bool) -> tuple[bool, int]:
+                hasher, sample: bool, in_order: bool = False) -> tuple[bool, int]:
         """The chunks `numbers` of the file, each from `upstream` (checked) or else the NAS (keyed
         here), written at its offset and kept for the senders. Returns whether the last came from a
         peer, and how many bytes from the file's start went to `hasher` (an in-order NAS read)."""
@@ -514,13 +528,17 @@ class _Feed:
         for number in numbers:
             if self.stopping:
                 raise Stopped()
+            if number in held.macs:
+                continue  # a file taken up again on one thread (see _in_threads): what its streams hold stays
             offset = number * CHUNK
             chunk = relay.take_chunk()
             view = chunk.data[:min(CHUNK, held.size - offset)]
             mac = upstream.receive(file_id, offset, view) if upstream is not None else None
             from_peer = mac is not None
             if mac is None:
-                mac = self._read_nas(file_id, reader, view, offset, sample)
+                mac = self._read_nas(file_id, reader, view, offset, sample, in_order)
+            elif in_order:  # a head moved to the tail takes its chunks from peers: the NAS's turn moves on
+                self._turn_taken(file_id, number)
             writer.write(view, offset)
             if hasher is not None and hashed == offset:
                 hasher.update(view)
@@ -532,11 +550,17 @@ class _Feed:
                 relay.cond.notify_all()
         return from_peer, hashed
 
-    def _read_nas(self, file_id: int, reader, view: memoryview, offset: int, sample: bool) -> bytes:
+    def _read_nas(self, file_id: int, reader, view: memoryview, offset: int, sample: bool, in_order: bool) -> bytes:
         """The chunk at `offset` read from the NAS into `view`, and its key, made here. Before the
         file's first read the NAS is sampled, as a copy from the NAS samples it (with --full the
-        hash of every byte is the check instead). One stream reads at a time: the reader is the file's one."""
+        hash of every byte is the check instead). One stream reads at a time: the reader is the
+        file's one; `in_order`, each once the chunk before it is read."""
+        number = offset // CHUNK
         with self.nas:
+            while in_order and self.turn.get(file_id, 0) != number:
+                if self.stopping:
+                    raise Stopped()
+                self.nas.wait(1.0)
             if file_id not in self.read_nas:
                 self.read_nas.add(file_id)
                 if sample:
@@ -544,12 +568,21 @@ class _Feed:
             if reader.readinto_at(view, offset) != len(view):
                 raise SourceChanged(errno.EIO, f"the NAS file ended before {self.files[file_id].size} bytes")
             self.nas_bytes += len(view)
+            if in_order:
+                self._turn_taken(file_id, number)
         return chunk_mac(self.relay._key, self.relay._run_id, file_id, offset, view)
 
-    def _in_threads(self, parts: list) -> None:
+    def _turn_taken(self, file_id: int, number: int) -> None:
+        with self.nas:
+            self.turn[file_id] = number + 1
+            self.nas.notify_all()
+
+    def _in_threads(self, parts: list, alone) -> None:
         """Run every part at once, the first in this thread and each other in a thread of its own,
         and return when all have; a part that fails stops the others at their next chunk (or wakes
-        them from their upstream), and its error is raised."""
+        them from their upstream, or their turn at the NAS), and its error is raised. Where a thread
+        cannot be started (a pids limit), the parts started are stopped and `alone` does the whole
+        in this thread: a relay short of threads still lands the file."""
         errors: list[BaseException] = []
 
         def run(part) -> None:
@@ -557,9 +590,7 @@ class _Feed:
                 part()
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread, below
                 errors.append(exc)
-                self.stopping = True
-                for upstream in self.upstreams:
-                    upstream.interrupt()
+                self._stop()
 
         def counted(part) -> None:
             started = thread_cpu()
@@ -568,16 +599,36 @@ class _Feed:
             finally:
                 self.relay._count_cpu(started)
 
-        threads = [threading.Thread(target=counted, args=(part,), name="stage-broadcast-stream", daemon=True)
-                   for part in parts[1:]]
-        for thread in threads:
-            thread.start()
+        threads: list[threading.Thread] = []
+        try:
+            for part in parts[1:]:
+                threads.append(threading.Thread(target=counted, args=(part,), name="stage-broadcast-stream",
+                                                daemon=True))
+                threads[-1].start()
+        except RuntimeError:  # can't start new thread
+            threads.pop()
+            self._stop()
+            for thread in threads:
+                thread.join()
+            self.stopping = False
+            if any(not isinstance(exc, Stopped) for exc in errors):
+                raise next(exc for exc in errors if not isinstance(exc, Stopped)) from None
+            alone()
+            return
         run(parts[0])
         for thread in threads:
             thread.join()
         self.stopping = False
         if errors:
             raise next((exc for exc in errors if not isinstance(exc, Stopped)), errors[0])
+
+    def _stop(self) -> None:
+        """The file's parts stop at their next chunk, or now if they wait on an upstream or the NAS."""
+        self.stopping = True
+        for upstream in self.upstreams:
+            upstream.interrupt()
+        with self.nas:
+            self.nas.notify_all()
 
     def rerouted(self, chain) -> None:
         """From the driver's reroute (another thread): each stream whose upstream now comes after
