@@ -60,6 +60,7 @@ class NodeAgent:
                            streams or manifest.fleet.streams)
         self.relay.send_limit = Throttle(bwlimit) if bwlimit else None
         self.phase = "plan"
+        self.link = probe.LinkProbe()  # the driver's measure of the link into this node
         self.copying = (0, 0, 0)  # the closing mirror's bar: (step, bytes done, bytes to do)
 
     def progress(self) -> Progress:
@@ -127,15 +128,19 @@ class NodeAgent:
     def probe_cpu(self) -> float:
         return probe.relay_work()
 
-    def probe_payload(self, size: int) -> bytes:
-        return probe.payload(size)
+    def probe_payload(self) -> bytes:
+        return probe.payload()
 
-    def probe_pull(self, refs: list) -> float:
-        """Bytes per second of pulls of refs (a small and a large payload; in a list, or Ray would
-        fetch them before the call) from their node."""
+    def probe_pull(self, refs: list) -> float | None:
+        """Bytes per second of the pulls of `refs` (the node before it's payload pieces; in a
+        list, or Ray would fetch them before the call)."""
         import ray
 
-        return probe.pull(*refs, ray)
+        return self.link.pull(refs, ray)
+
+    def probe_pulled(self) -> float | None:
+        """The rate of those pulls so far."""
+        return self.link.rate()
 
 
 def start_agents(ray, manifest_path: str, names: list[str], seed: int, full: bool = False,

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from stager.base.units import format_size
 from stager.fleet.broadcast.relay import CHUNK, Share
-from stager.fleet.probe import PAYLOAD_BYTES
+from stager.fleet.probe import PAYLOAD_PIECES
 from stager.fleet.liveness import Watch, gather
 from stager.manifest import FleetConfig
 
@@ -40,6 +40,9 @@ EACH_SHARE = 0.02
 # head's SFTP read and a Ray pull differed by up to 1.42x (fleet-lab.md): a tighter factor read the
 # NAS from every node on usual runs.
 NAS_MARGIN = 1.5
+# The same, by links whose pulls are not done: those rates are rough, and a NAS no faster than a
+# link must not be read by every node for want of waiting a quarter of a second.
+HASTE_MARGIN = 3.0
 PROBE_WAIT = 10.0  # seconds: a probe not answered by then is not waited for (its rate is unknown)
 
 
@@ -170,7 +173,7 @@ class Probes:
         if told.relay_rate is None and len(names) >= 2:
             # A ring: each node pulls from the one before it (the head from the last), so every
             # node's downlink and every node's uplink is measured once, all at the same time.
-            payloads = {name: [agents[name].probe_payload.remote(size) for size in PAYLOAD_BYTES] for name in names}
+            payloads = {name: [agents[name].probe_payload.remote() for _ in range(PAYLOAD_PIECES)] for name in names}
             self.links = {agents[name].probe_pull.remote(payloads[names[index - 1]]): name
                           for index, name in enumerate(names)}
             self._payloads = payloads
@@ -185,15 +188,9 @@ class Probes:
         data = sum(share.size for _, files in groups for share in files)
         nas_alone, ceiling = self._nas_alone(names[0], largest, int(PROBE_SHARE * data))
         nas_each = self._nas_told(names)
-        # The links as far as they are in: on a NAS that outruns even the head's cores, waiting for
-        # them (a fifth of a second on the lab's links) cost a run that direct reads take in two.
-        link = self._links(names, wait=False)
-        gate = min([*link.values(), *ceiling.values()], default=None)
-        if not nas_each and nas_alone is not None and gate is not None and nas_alone <= NAS_MARGIN * gate:
-            link = self._links(names, wait=True)
-            gate = min([*link.values(), *ceiling.values()], default=None)
-        if not nas_each and nas_alone is not None and gate is not None and nas_alone > NAS_MARGIN * gate:
+        if not nas_each and nas_alone is not None and self._nas_outruns(names, nas_alone, ceiling):
             nas_each, ceiling = self._nas_each(names, largest, data)
+        link = self._links(names, wait=False)
         upper = Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, ceiling=ceiling, told=keys)
         if nas_each and all(group.transport == "nas" for group in choose(groups, upper)):
             return upper  # direct reads beat the most the broadcast could do
@@ -205,24 +202,33 @@ class Probes:
             nas_each, ceiling = self._nas_each(names, largest, data)  # the CPU, not the link, holds the chain back
         return Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, cpu=cpu, ceiling=ceiling, told=keys)
 
+    def _nas_outruns(self, names: list[str], nas_alone: float, ceiling: dict[str, float]) -> bool:
+        """Whether the NAS, read by the head alone, is NAS_MARGIN times faster than the slowest hop
+        (the links, the head's cores): worth measuring with every node. By the links' pulls as far
+        as they have come when that is clear (HASTE_MARGIN), else once they are done: on a NAS
+        faster than the links, waiting for the last piece (half a second on the lab's links) cost
+        runs that direct reads take in three; and a pull measured over two pieces is rough."""
+        hops = [*self._links(names, wait=False).values(), *ceiling.values()]
+        if hops and nas_alone > HASTE_MARGIN * min(hops):
+            return True
+        hops = [*self._links(names, wait=True).values(), *ceiling.values()]
+        return bool(hops) and nas_alone > NAS_MARGIN * min(hops)
+
     def _links(self, names: list[str], wait: bool) -> dict[str, float]:
-        """Each node's link from the one before it: told, or as measured (those in by now, unless
-        `wait`)."""
+        """Each node's link from the one before it: told, or as measured; unless `wait`, a pull
+        not done yet gives its rate so far (none before its second piece)."""
         if self.told.relay_rate is not None:
             return {name: float(self.told.relay_rate) for name in names}
-        if wait and self.links:
+        if not self.links:
+            return {name: rate for name, rate in self.link_rates.items() if name in names}
+        if wait:
             answers = gather(self.ray, self.links, self.watch, time.monotonic() + PROBE_WAIT)
             self.links, self._payloads = {}, {}  # the payloads leave the object stores
             self.link_rates.update({name: rate for name, rate in answers.items() if isinstance(rate, float)})
-        elif self.links:
-            ready, _ = self.ray.wait(list(self.links), num_returns=len(self.links), timeout=0)
-            for ref in ready:
-                name = self.links.pop(ref)
-                try:
-                    self.link_rates[name] = float(self.ray.get(ref))
-                except Exception:  # noqa: BLE001 - a probe that failed leaves its link unknown
-                    pass
-        return {name: rate for name, rate in self.link_rates.items() if name in names}
+            return {name: rate for name, rate in self.link_rates.items() if name in names}
+        running = [name for name in self.links.values() if name in names]
+        so_far = self._ask({name: self.agents[name].probe_pulled.remote() for name in running})
+        return {name: rate for name, rate in so_far.items() if isinstance(rate, float)}
 
     def _nas_alone(self, head: str, share: Share, cap: int) -> tuple[float | None, dict[str, float]]:
         """The head's NAS rate, reading alone, and its relay ceiling."""

@@ -15,14 +15,17 @@ bytes: the bytes a probe reads are read again by the copy.
   every chunk costs, hashed for PROBE_SECONDS of wall time, over RELAY_WORK. Measured rather than
   read from the cgroup: under `ip netns exec` the cgroup filesystem is not mounted, and a quota is
   not the only thing that takes a node's cores.
-- `payload` and `pull`: how fast the next node in the chain pulls bytes from this one over Ray's own
-  object transfer, on the links between the nodes: a small pull and a large one, the difference
-  timed, so that what every pull costs (finding the object, the request) is not counted.
+- `payload` and `LinkProbe`: how fast the next node in the chain pulls bytes from this one over
+  Ray's own object transfer, on the links between the nodes: PAYLOAD_PIECES objects fetched at
+  once, timed from the first one in, so that what a pull costs to start (finding the object, the
+  request, a burst) is not counted; readable while the pulls run, so that a choice that cannot
+  wait for the last piece takes the rate so far.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import blake3
@@ -36,9 +39,10 @@ PROBE_MIN = 4 * PIECE  # the first piece and three timed ones
 # (agent, relay threads, closing mirror, counted by cgroup) against the hash alone, both measured
 # on the lab (docs/fleet-lab.md, "What a node costs").
 RELAY_WORK = 8.0
-# The second 4 MiB larger: 0.17 s at 200 Mbit/s, while the agents plan. With 1 MiB more, a pull
-# over the lab's links at 200 Mbit/s came out at 0.7 of them.
-PAYLOAD_BYTES = (1024 * 1024, 5 * 1024 * 1024)
+# 6 MiB: 0.25 s at 200 Mbit/s, while the agents plan. A pull of 1 MiB over the lab's links at
+# 200 Mbit/s, timed alone, came out at 0.7 of them.
+PAYLOAD_PIECE = 1024 * 1024
+PAYLOAD_PIECES = 6
 
 
 def read_nas(source, rel: str, cap: int, seconds: float = PROBE_SECONDS) -> float:
@@ -85,19 +89,37 @@ def relay_work(seconds: float = PROBE_SECONDS) -> float:
     return done / max(time.monotonic() - started, 1e-6) / RELAY_WORK
 
 
-def payload(size: int) -> bytes:
-    """What the next node pulls: kept in this node's Ray object store while the driver holds it."""
-    return bytes(size)
+def payload() -> bytes:
+    """One piece of what the next node pulls: kept in this node's Ray object store while the
+    driver holds it."""
+    return bytes(PAYLOAD_PIECE)
 
 
-def pull(small, large, ray) -> float:
-    """Bytes per second of a pull to this node: the large payload's time less the small one's,
-    over their difference in bytes; both timed from the moment they exist."""
-    ray.wait([small, large], num_returns=2, fetch_local=False)
-    started = time.monotonic()
-    low = len(ray.get(small))
-    middle = time.monotonic()
-    high = len(ray.get(large))
-    ended = time.monotonic()
-    extra = (ended - middle) - (middle - started)
-    return (high - low) / extra if extra > 0 else high / max(ended - middle, 1e-6)
+class LinkProbe:
+    """A node's pulls of the payload pieces of the node before it, and how far they have come."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._first: float | None = None  # when the first piece was in: the clock starts there
+        self._timed = (0, 0.0)  # bytes in after the first piece, and the seconds since it
+
+    def pull(self, refs: list, ray) -> float | None:
+        """Fetch every piece at once (from the moment they all exist); the rate at the end."""
+        pending = list(refs)
+        ray.wait(pending, num_returns=len(pending), fetch_local=False)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, fetch_local=True)
+            got = sum(len(ray.get(ref)) for ref in ready)
+            now = time.monotonic()
+            with self._lock:
+                if self._first is None:
+                    self._first = now
+                else:
+                    self._timed = (self._timed[0] + got, now - self._first)
+        return self.rate()
+
+    def rate(self) -> float | None:
+        """Bytes per second so far (None before a piece after the first is in)."""
+        with self._lock:
+            done, seconds = self._timed
+        return done / seconds if done and seconds > 0 else None
