@@ -280,7 +280,7 @@ def run_plain(lab: Lab, nodes: list[Member]) -> dict:
     ok = all(code == 0 for code in codes) and all(
         sha256(lab.staged_hub(m.name) / "plain" / p.name) == lab.sha256[p.name] for m in nodes for p in files)
     return {"seconds": seconds, "nas_sent": sent.rx_bytes, "nas_read": None, "cpu": cpu, "relay_cpu": cpu,
-            "ok": ok, "code": 0}
+            "ok": ok, "code": 0, "from_nas": [nodes[0].name]}
 
 
 def run_stream(lab: Lab, member: Member) -> dict:
@@ -356,6 +356,10 @@ def run_fleet_mirror(lab: Lab, transport: str, nodes: list[Member], timeout: flo
     return {"seconds": seconds, "nas_sent": sent.rx_bytes, "nas_read": sftp_read(lab) - read_before, "cpu": cpu,
             "relay_cpu": relay_cpu, "ok": ok, "code": proc.returncode, "node_seconds": node_seconds,
             "chosen": (report or {}).get("transport"), "choice": (report or {}).get("choice"),
+            # The nodes that read the shared files from the NAS themselves (a chain's head; every
+            # node reading directly): their CPU is the NAS protocol's too, not a relay's alone.
+            "from_nas": sorted(name for name, run in (report or {}).get("nodes", {}).items()
+                               if run.get("nas_bytes") and not run.get("peer_bytes")),
             "error": None if proc.returncode == 0 else err.strip().splitlines()[-3:]}
 
 
@@ -470,29 +474,29 @@ def summarize(results: dict) -> dict:
 
 
 def cpu_per_byte(results: dict) -> dict:
-    """Per transport and N, each node's CPU seconds per GB of data, counted per byte: the median of
-    its cgroup's CPU at the largest size less that at the smallest, over the difference in data.
-    What every run costs whatever its size (Ray's workers and their start, the walks, the files'
-    fixed costs) falls out; what is left grows with the bytes."""
+    """Per transport and N, a node's CPU seconds per GB of data, counted per byte, by its part:
+    `from NAS` (it read the data from the NAS: a chain's head, the plain chain's first node) and
+    `from a peer`. The median over the runs and the nodes of that part of the cgroups' CPU at the
+    largest size, less that at the smallest, over the difference in data: what every run costs
+    whatever its size (Ray's workers and their start, the walks, the files' fixed costs) falls
+    out, and what is left grows with the bytes."""
     sizes = sorted(results["config"]["sizes"])
     small, large = sizes[0], sizes[-1]
-    by_key: dict = {}
+    cpu: dict = {}
+    data: dict = {}
     for run in results["runs"]:
         if run.get("killed") or not run.get("ok") or run.get("size") not in (small, large):
             continue
-        by_key.setdefault((run["transport"], run["n"]), {}).setdefault(run["size"], []).append(run)
+        data[run["size"]] = run["data_bytes"]
+        for node, seconds in run["cpu"].items():
+            part = "from NAS" if node in (run.get("from_nas") or ()) else "from a peer"
+            cpu.setdefault((run["transport"], run["n"], part), {}).setdefault(run["size"], []).append(seconds)
     out: dict = {}
-    for (transport, n), by_size in sorted(by_key.items()):
-        if small not in by_size or large not in by_size:
-            continue
-        data = {size: by_size[size][0]["data_bytes"] for size in (small, large)}
-        nodes = sorted(by_size[large][0]["cpu"])
-        per_node = {}
-        for node in nodes:
-            cpu = {size: statistics.median(r["cpu"][node] for r in by_size[size] if node in r["cpu"])
-                   for size in (small, large)}
-            per_node[node] = round((cpu[large] - cpu[small]) / ((data[large] - data[small]) / GB), 2)
-        out.setdefault(transport, {})[str(n)] = per_node
+    for (transport, n, part), by_size in sorted(cpu.items()):
+        if small in by_size and large in by_size:
+            grown = statistics.median(by_size[large]) - statistics.median(by_size[small])
+            out.setdefault(transport, {}).setdefault(str(n), {})[part] = round(grown / ((data[large] - data[small]) / GB),
+                                                                              2)
     return out
 
 
@@ -525,10 +529,11 @@ def markdown(results: dict) -> str:
             cells.append(f"{fmt.format(min(values))}-{fmt.format(max(values))}" if values else "")
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     if marginal:
-        lines += ["", "| transport, N | CPU s per GB, counted per byte (two sizes), per node |", "|---|---|"]
+        lines += ["", "| transport, N | a node's CPU s per GB, counted per byte (two sizes), by its part |",
+                  "|---|---|"]
         for transport, by_n in marginal.items():
-            for n, per_node in by_n.items():
-                cells = ", ".join(f"{node} {value:.2f}" for node, value in per_node.items())
+            for n, by_part in by_n.items():
+                cells = ", ".join(f"{part}: {value:.2f}" for part, value in by_part.items())
                 lines.append(f"| {transport}, {n} | {cells} |")
     return "\n".join(lines)
 
