@@ -95,7 +95,7 @@ from stager.fleet.broadcast.relay import Relay, Session, Share
 from stager.mirror.observe import DigestCache
 from stager.sources import open_source
 config = json.loads(sys.stdin.readline())
-relay = Relay("a", config["hub"], DigestCache(open_source(config["nas"], {}), config["seed"]), ())
+relay = Relay("a", config["hub"], DigestCache(open_source(config["nas"], {}), config["seed"]), (), streams=1)
 print(relay.open("127.0.0.1", None, bytes.fromhex(config["key"]), bytes.fromhex(config["run_id"])), flush=True)
 session = json.loads(sys.stdin.readline())
 files = tuple(Share(*share) for share in session["files"])
@@ -297,7 +297,7 @@ def head_in_its_own_process(tmp_path: Path, nas: dict, key: bytes, run_id: bytes
 
 def b_joins(head, port: int, tmp_path: Path, nas: dict, key: bytes, run_id: bytes) -> tuple[dict, dict]:
     """Relay b, in this process, takes the session from a, the chain's head: b's run and a's. On
-    one stream: a connection is a thread at a, and the thread limit's test leaves room for one."""
+    one stream (a too): a connection is a thread at a, and the thread limit's test leaves room for one."""
     b = Relay("b", str(tmp_path / "b" / "hub"), DigestCache(open_source(str(nas["root"]), {}), SEED), (), streams=1)
     chain = (("a", "127.0.0.1", port), ("b", "127.0.0.1", b.open("127.0.0.1", None, key, run_id)))
     try:
