@@ -71,7 +71,8 @@ def test_install_completion_into_the_running_bash(tmp_path):
     """Installed for the shell that runs it (bash here): a script and the rc line that sources it."""
     home = tmp_path / "home"
     home.mkdir()
-    result = subprocess.run(["bash", "-c", "stage --install-completion"], capture_output=True, text=True,
+    # A second command keeps bash from exec'ing stage: bash stays its parent, whatever runs the test.
+    result = subprocess.run(["bash", "-c", "stage --install-completion; exit $?"], capture_output=True, text=True,
                             timeout=60, env=env(HOME=str(home)))
     assert result.returncode == 0, result.stderr
     installed = home / ".bash_completions" / "stage.sh"

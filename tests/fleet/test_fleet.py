@@ -5,6 +5,7 @@ sets one up."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -89,15 +90,28 @@ def ray_head(temp_dir: Path, label: str, env: dict[str, str]):
             process.wait()
 
 
-def live_nodes(address: str) -> list[dict]:
-    """The GCS's node table (what ray.nodes() returns), read by this process, which holds the token."""
-    from ray._private.state import GlobalState
-    from ray._raylet import GcsClientOptions
+LIVE_NODES = r"""
+import json, sys
+from ray._private.state import GlobalState
+from ray._raylet import GcsClientOptions
 
-    state = GlobalState()
-    state._initialize_global_state(GcsClientOptions.create(address, None, allow_cluster_id_nil=True,
-                                                           fetch_cluster_id_if_nil=False))
-    return [node for node in state.node_table() if node["Alive"]]
+state = GlobalState()
+state._initialize_global_state(GcsClientOptions.create(sys.argv[1], None, allow_cluster_id_nil=True,
+                                                       fetch_cluster_id_if_nil=False))
+print(json.dumps([node for node in state.node_table() if node["Alive"]], default=str))
+"""
+
+
+def live_nodes(address: str) -> list[dict]:
+    """The GCS's node table (what ray.nodes() returns), read with the token in this process's
+    environment by a process of its own: Ray caches the auth mode and token a process first
+    loads (AuthenticationTokenLoader), so a read in this process would carry them to every later
+    cluster, and any earlier Ray use in the test process would decide them."""
+    read = subprocess.run([sys.executable, "-c", LIVE_NODES, address], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ))
+    if read.returncode != 0:
+        raise RuntimeError(read.stderr[-2000:])
+    return json.loads(read.stdout.strip().splitlines()[-1])
 
 
 def wait_for_labels(head: Head, labels: set[str], timeout: float = 90) -> None:
