@@ -156,28 +156,51 @@ def cluster(sshd):
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+JOIN_NODE = r"""
+import json, sys
+from ray._private.node import Node
+from ray._private.parameter import RayParams
+
+# spawn_reaper: the node's processes die with this one even if it is killed.
+node = Node(RayParams(**json.loads(sys.argv[1])), head=False, shutdown_at_exit=False, spawn_reaper=True)
+print("joined", flush=True)
+try:
+    sys.stdin.read()  # until the test closes it
+finally:
+    node.kill_all_processes(check_alive=False, allow_graceful=True)
+"""
+
+
 @contextmanager
 def joined_nodes(head: Head, names: tuple[str, ...], temp_dir: Path):
-    """More nodes for the head's cluster, started the way `ray start --address` starts them:
-    `ray start --address` itself refuses to add a node while Ray is kept on loopback
-    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), and without that every Ray port listens on all
-    interfaces. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER and RAY_AUTH_MODE when it is imported,
-    so this process's environment must be set first."""
-    from ray._private.node import Node
-    from ray._private.parameter import RayParams
-
+    """More nodes for the head's cluster, started the way `ray start --address` starts them, each
+    by a process of its own with this process's environment: `ray start --address` itself refuses
+    to add a node while Ray is kept on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), and without
+    that every Ray port listens on all interfaces. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER and
+    RAY_AUTH_MODE once per process, so a node started in this one would take whatever an earlier
+    import of Ray here (a test module's collection, say) found in the environment."""
     nodes = []
     try:
         for name in names:
-            params = RayParams(gcs_address=head.address, node_ip_address="127.0.0.1", num_cpus=1,
-                               labels={LABEL: name}, temp_dir=str(temp_dir / "ray"), object_store_memory=150 * MiB,
-                               min_worker_port=0, max_worker_port=0, include_log_monitor=False, node_manager_port=0)
-            # spawn_reaper: the node's processes die with this one even if it is killed.
-            nodes.append(Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True))
+            params = {"gcs_address": head.address, "node_ip_address": "127.0.0.1", "num_cpus": 1,
+                      "labels": {LABEL: name}, "temp_dir": str(temp_dir / "ray"), "object_store_memory": 150 * MiB,
+                      "min_worker_port": 0, "max_worker_port": 0, "include_log_monitor": False,
+                      "node_manager_port": 0}
+            log = open(temp_dir / f"join-{name}.log", "wb")
+            nodes.append(subprocess.Popen([sys.executable, "-c", JOIN_NODE, json.dumps(params)], env=dict(os.environ),
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
+            log.close()
+            assert nodes[-1].stdout.readline() == b"joined\n", (temp_dir / f"join-{name}.log").read_text()[-3000:]
         yield nodes
     finally:
         for node in nodes:
-            node.kill_all_processes(check_alive=False, allow_graceful=True)
+            node.stdin.close()
+        for node in nodes:
+            try:
+                node.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                node.kill()
+                node.wait()
 
 
 @pytest.fixture(scope="module")
@@ -498,8 +521,10 @@ def relay_pid(hub: Path) -> int | None:
 
 def test_a_relay_killed_mid_run_is_routed_around_and_a_rerun_converges(cluster, staged, nas, sshd, tmp_path):
     manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
-    proc = subprocess.Popen([sys.executable, "-m", "stager", "fleet", "mirror", "--json", "--timeout", "120",
-                             "--manifest", str(manifest)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The broadcast asked for: told nothing, the choice on loopback may be direct reads.
+    proc = subprocess.Popen([sys.executable, "-m", "stager", "fleet", "mirror", "--transport", "broadcast", "--json",
+                             "--timeout", "120", "--manifest", str(manifest)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed = None
     deadline = time.monotonic() + 90
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
@@ -562,7 +587,9 @@ def test_full_refuses_a_nas_file_that_fails_its_name_on_every_node_and_stages_th
     manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
     with byte_flipped(blob, blob.stat().st_size // 2):
         before = sshd.bytes_read(nas["hub"])
-        result, _ = fleet("mirror", "--full", "--json", "--timeout", "120", "--manifest", manifest)
+        # Asked for: told nothing, the choice on loopback may be direct reads.
+        result, _ = fleet("mirror", "--full", "--transport", "broadcast", "--json", "--timeout", "120",
+                          "--manifest", manifest)
         read = sshd.bytes_read(nas["hub"]) - before
         assert result.code == 1, result.stderr + result.stdout
         report = json.loads(result.stdout)
