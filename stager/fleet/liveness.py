@@ -146,11 +146,13 @@ class Watch:
             node, number = asked
             try:
                 answer = self.ray.get(ref)
-            except self.ray.exceptions.RayActorError:
-                self.forget(node)  # died: its other calls fail too, and the death path takes it
+            except self.ray.exceptions.RayTaskError:
+                answer = None  # the agent answered, though not with its progress: it runs
+            except self.ray.exceptions.RayError:
+                # Not the agent's answer but Ray's: the actor, its worker or its node is gone (its
+                # other calls fail too, and the death path takes it).
+                self.forget(node)
                 continue
-            except Exception:  # noqa: BLE001 - the agent answered, though not with its progress
-                answer = None
             self.answered[node] = max(self.answered.get(node, -1), number)
             if isinstance(answer, Progress):
                 self.latest[node] = answer

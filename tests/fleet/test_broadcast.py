@@ -364,6 +364,98 @@ def test_the_driver_moves_the_first_laggard():
     assert laggard(names, {"a": LAG_MIN_CHUNKS, "b": LAG_MIN_CHUNKS, "c": LAG_MIN_CHUNKS, "d": 0}, trailing, trailing,
                    set()) is None
 
+class _ActorDied(Exception):
+    """What Ray raises for a call to an actor whose worker died (its RayActorError)."""
+
+
+class _Call:
+    def __init__(self, value=None, error: BaseException | None = None, ready: bool = False):
+        self.value, self.error, self.ready = value, error, ready
+
+
+class _FakeRay:
+    """Ray as the chain's loop uses it: wait, get, kill, and the exception it tells death by."""
+
+    class exceptions:
+        RayActorError = _ActorDied
+
+    def wait(self, refs, num_returns, timeout):
+        ready = [ref for ref in refs if ref.ready][:num_returns]
+        return ready, [ref for ref in refs if ref not in ready]
+
+    def get(self, ref):
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def kill(self, *args, **kwargs):
+        pass
+
+
+class _FakeRelay:
+    """A relay's agent: `run` answers with `call`; each reroute's chain is kept."""
+
+    def __init__(self, call: _Call):
+        self.reroutes: list[tuple] = []
+        self.run = type("Method", (), {"remote": lambda _self, *args: call})()
+        self.reroute = type("Method", (), {"remote": lambda _self, number, chain: self.reroutes.append(chain)})()
+
+
+class _QuietWatch:
+    """Every agent answers; nothing is silent, stalled or judged."""
+
+    stalled: dict = {}
+
+    def look(self):
+        return []
+
+    def next_look(self):
+        return 0.0
+
+    def silent_for(self, seconds):
+        return set()
+
+    def same_look(self, nodes):
+        return None
+
+    def forget(self, node):
+        pass
+
+
+def test_a_relay_that_dies_is_moved_out_of_the_chain_at_once():
+    """b dies (its run fails as Ray fails a dead actor's call) while c and d still receive: both
+    are told at once of an order with b at the tail, and b is done with why. Left where it stood,
+    b counted as holding every chunk, so c, reconnecting to a, looked far behind b and the laggard
+    rule moved c behind d (8 nodes on the lab: a killed node cost 1.5x)."""
+    from stager.fleet.broadcast.chain import _run_chain
+
+    share = Share("models--acme--m/blobs/x", "models--acme--m/blobs/x", 64 * CHUNK)
+    chain = tuple((name, "127.0.0.1", 7900 + index) for index, name in enumerate("abcd"))
+    calls = {"a": _Call(), "b": _Call(error=_ActorDied("The actor is unavailable"), ready=True), "c": _Call(),
+             "d": _Call()}
+    relays = {name: _FakeRelay(call) for name, call in calls.items()}
+    stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "upstreams": [], "fallbacks": [],
+                    "bad_senders": [], "refused": [], "error": None} for name in relays}
+    finished: list[tuple[str, str | None]] = []
+
+    def done(name, gone):
+        finished.append((name, gone))
+        if name == "b":  # the others finish once b is dealt with
+            for other in "acd":
+                calls[other].value = {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "fallbacks": [],
+                                      "upstreams": [], "bad_senders": []}
+                calls[other].ready = True
+
+    _run_chain(_FakeRay(), relays, Session(0, (share,), chain), stats, time.monotonic() + 30,
+               dict.fromkeys(relays, 0), done, {}, _QuietWatch())
+    assert finished[0] == ("b", "The actor is unavailable"), finished
+    moved = tuple(name for name, _, _ in relays["c"].reroutes[0])
+    assert moved == ("a", "c", "d", "b"), relays["c"].reroutes
+    assert relays["d"].reroutes and relays["a"].reroutes and not relays["b"].reroutes
+    assert stats["b"]["error"] == "relay failed: The actor is unavailable"
+    assert sorted(name for name, _ in finished) == ["a", "b", "c", "d"]
+
+
 # ---- K streams per hop -------------------------------------------------------------------------------
 
 # A real process between a downstream and its upstream, on every connection of a hop: each

@@ -108,9 +108,9 @@ def broadcast(ray, manifest: Manifest, relays: dict,
 def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], deadline: float,
                last: dict[str, int], done: Callable[[str, str | None], None], gone: dict[str, str],
                watch: Watch) -> None:
-    # Without the nodes that stalled in an earlier session: one node left reads the NAS itself, in its mirror.
+    # Without the nodes that stalled or died in an earlier session: one node left reads the NAS itself, in its mirror.
     session = Session(session.number, session.files,
-                      tuple(hop for hop in session.chain if hop[0] not in watch.stalled))
+                      tuple(hop for hop in session.chain if hop[0] not in watch.stalled and hop[0] not in gone))
     if len(session.chain) < 2:
         for name, _, _ in session.chain:
             if last[name] == session.number:
@@ -143,6 +143,9 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             if isinstance(exc, ray.exceptions.RayActorError):
                 gone[name] = _last_line(exc)
                 watch.forget(name)
+                # Out of the others' way: counted as holding everything where it stood, it made
+                # the node after it look far behind, and the laggard rule moved that one.
+                route.around({name}, set(running.values()))
         else:
             mine = stats[name]
             for field in ("peer_bytes", "nas_bytes", "landed_files"):
@@ -150,7 +153,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             mine["fallbacks"] += got["fallbacks"]
             mine["upstreams"] = list(dict.fromkeys(mine["upstreams"] + list(got.get("upstreams") or ())))
             mine["bad_senders"] = sorted(set(mine["bad_senders"]) | set(got["bad_senders"]))
-        if last[name] == session.number:
+        if last[name] == session.number or name in gone:  # a dead node is in no later session
             done(name, gone.get(name))
     for name in route.moved:
         stats[name]["moved_to_tail"] = True
@@ -184,7 +187,7 @@ class _Route:
         self.peaks: dict[str, float] = {}  # each node's best receive rate so far, chunks per second
 
     def around(self, silent: set[str], answering: set[str]) -> None:
-        """Move each silent node that a running, answering node still comes after to the tail."""
+        """Move each silent (or dead) node that a running, answering node still comes after to the tail."""
         for name in [name for name, _, _ in self.chain if name in silent]:
             names = [hop[0] for hop in self.chain]
             if answering & set(names[names.index(name) + 1:]):
