@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -397,14 +398,15 @@ class _FakeRelay:
 
     def __init__(self, call: _Call):
         self.reroutes: list[tuple] = []
-        self.run = type("Method", (), {"remote": lambda _self, *args: call})()
-        self.reroute = type("Method", (), {"remote": lambda _self, number, chain: self.reroutes.append(chain)})()
+        self.run = SimpleNamespace(remote=lambda *args: call)
+        self.reroute = SimpleNamespace(remote=lambda number, chain: self.reroutes.append(chain))
 
 
 class _QuietWatch:
     """Every agent answers; nothing is silent, stalled or judged."""
 
-    stalled: dict = {}
+    def __init__(self):
+        self.stalled: dict = {}
 
     def look(self):
         return []

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -190,7 +191,10 @@ def joined_nodes(head: Head, names: tuple[str, ...], temp_dir: Path):
             nodes.append(subprocess.Popen([sys.executable, "-c", JOIN_NODE, json.dumps(params)], env=dict(os.environ),
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
             log.close()
-            assert nodes[-1].stdout.readline() == b"joined\n", (temp_dir / f"join-{name}.log").read_text()[-3000:]
+            # Ray gives up on a GCS it cannot reach within about 20 s; a node not joined by then never will.
+            ready, _, _ = select.select([nodes[-1].stdout], [], [], 120)
+            joined = nodes[-1].stdout.readline() if ready else b""
+            assert joined == b"joined\n", (temp_dir / f"join-{name}.log").read_text()[-3000:]
         yield nodes
     finally:
         for node in nodes:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -103,3 +104,43 @@ def test_a_stopped_agent_is_silent_then_stalled_and_a_pause_between_looks_is_no_
     assert out["stalled"] == ["frozen"] and out["silent_now"] == [], out
     # Its last answer is what it held when it stopped (one look at most before the stop).
     assert out["answered_before_stop"] - 1 <= out["last_held"] <= out["answered_before_stop"] + 1, out
+
+
+class _RayError(Exception):
+    """Ray's own errors (ray.exceptions.RayError), as a fake Ray raises them."""
+
+
+class _TaskError(_RayError):
+    """An error the called method raised (RayTaskError)."""
+
+
+class _ActorError(_RayError):
+    """The actor died (RayActorError)."""
+
+
+class _Failing:
+    """A fake Ray whose every call is done at once and fails: for agent a with an error of its own
+    code, for agent b with Ray's word that the call could not reach it (an object lost with its node)."""
+
+    exceptions = SimpleNamespace(RayError=_RayError, RayTaskError=_TaskError, RayActorError=_ActorError)
+
+    def wait(self, refs, num_returns, timeout):
+        return list(refs), []
+
+    def get(self, ref):
+        raise _TaskError("progress() failed") if ref == "a" else _RayError("the object was lost with its node")
+
+
+def test_a_call_ray_fails_is_a_death_and_one_the_agent_fails_is_an_answer():
+    """An agent whose progress() raised answered: it runs, and is not silent. A call Ray itself
+    failed (not the agent) was never answered: the agent is taken for dead and watched no more,
+    and its death path (the failed run) reports it. Taken for an answer, a gone node kept looking alive."""
+    from stager.fleet.liveness import Watch
+
+    agents = {name: SimpleNamespace(progress=SimpleNamespace(remote=lambda name=name: name)) for name in "ab"}
+    watch = Watch(_Failing(), agents)
+    watch.look()  # asks both
+    watch.looks[-1] -= 2.0  # the next look asks again
+    watch.look()  # takes both answers
+    assert watch.answered == {"a": 0} and "a" in watch.agents
+    assert "b" not in watch.agents and not watch.stalled
