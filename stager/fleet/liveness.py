@@ -172,8 +172,9 @@ class Watch:
 
 def gather(ray, refs: dict, watch: Watch, until: float) -> dict[str, object]:
     """Each node's answer to one call (`refs`: ObjectRef -> node): its value, or the exception the
-    call raised. Waits until `until` at most, and not for a node the watch finds stalled: a node
-    missing from the answers did not answer."""
+    call raised, in the order of `refs` (not of arrival: the plans' order is the chain's, manifest
+    order, head first). Waits until `until` at most, and not for a node the watch finds stalled: a
+    node missing from the answers did not answer."""
     pending, answers = dict(refs), {}
     while pending and time.monotonic() < until:
         ready, _ = ray.wait(list(pending), num_returns=len(pending),
@@ -186,7 +187,7 @@ def gather(ray, refs: dict, watch: Watch, until: float) -> dict[str, object]:
                 answers[node] = exc
         watch.look()
         pending = {ref: node for ref, node in pending.items() if node not in watch.stalled}
-    return answers
+    return {node: answers[node] for node in refs.values() if node in answers}
 
 
 class Pings:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -144,3 +145,25 @@ def test_a_call_ray_fails_is_a_death_and_one_the_agent_fails_is_an_answer():
     watch.look()  # takes both answers
     assert watch.answered == {"a": 0} and "a" in watch.agents
     assert "b" not in watch.agents and not watch.stalled
+
+
+class _Backwards:
+    """A fake Ray whose calls come back last asked, first in."""
+
+    exceptions = _Failing.exceptions
+
+    def wait(self, refs, num_returns, timeout):
+        return list(reversed(refs)), []
+
+    def get(self, ref):
+        return f"plan of {ref}"
+
+
+def test_answers_keep_the_order_asked_not_the_order_they_came():
+    """The plans' order is the chain's (manifest order, head first): a run whose dgx2 planned
+    first once made dgx2 the head of a chain over dgx2, dgx3, dgx1."""
+    from stager.fleet.liveness import Watch, gather
+
+    ray = _Backwards()
+    answers = gather(ray, {"dgx1": "dgx1", "dgx2": "dgx2", "dgx3": "dgx3"}, Watch(ray, {}), time.monotonic() + 5)
+    assert list(answers.items()) == [("dgx1", "plan of dgx1"), ("dgx2", "plan of dgx2"), ("dgx3", "plan of dgx3")]
