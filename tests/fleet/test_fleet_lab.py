@@ -422,7 +422,8 @@ def test_a_nas_faster_than_the_links_flips_the_choice_to_direct_reads(lab):
     assert report["transport"] == "nas", report["choice"]
     [group] = report["choice"]["groups"]
     assert group["transport"] == "nas" and group["nodes"] == nodes
-    assert group["seconds"]["nas"] < group["seconds"]["broadcast"], group
+    # The report rounds to 0.01 s and the chooser compares unrounded: on 48 MiB both can be 0.04.
+    assert group["seconds"]["nas"] <= group["seconds"]["broadcast"], group
     rates = report["choice"]["rates"]
     assert min(rates["nas_each"].values()) > max(rates["link"].values(), default=0), rates
     assert all(report["nodes"][n]["peer_bytes"] == 0 and report["nodes"][n]["transport"] == "nas" for n in nodes)

@@ -18,7 +18,9 @@ from reliability_support import (MiB, assert_converged, assert_engram_converged,
                                  untouched)
 
 SHARDS = 10
-SHARD_BYTES = 3 * MiB
+# Above execute.SMALL_FILE: each shard takes its final name as soon as it is checked. Smaller
+# files are published in batches, so a run stopped part-way would show none of them.
+SHARD_BYTES = 5 * MiB
 
 # Waits until a file matching one of the globs has landed under a final name, then takes every
 # free byte of the filesystem with one fallocate (then writes, for filesystems that lack it).
@@ -124,8 +126,9 @@ def test_preflight_refuses_and_copies_nothing(tmp_path):
         assert result.code == 3, result.stderr
         assert "Traceback" not in result.stderr
         message = result.stderr.strip().splitlines()[-1]
-        assert re.search(r"not enough space on .*nvme/hf/hub: need 30\.\d\d MiB, free [0-9.]+ [KM]iB, reserve 0 B",
-                         message), message
+        weights = SHARDS * SHARD_BYTES // MiB  # and a config of a few bytes
+        assert re.search(rf"not enough space on .*nvme/hf/hub: need {weights}\.\d\d MiB, free [0-9.]+ [KM]iB, "
+                         r"reserve 0 B", message), message
         assert regular_files(mount) == [], "the preflight must refuse before any blob is written"
         assert temp_files(mount) == []
 
@@ -142,8 +145,10 @@ def test_preflight_counts_the_reserve(small_disk):
 def test_space_taken_mid_run_stops_cleanly_and_the_rerun_converges(small_disk):
     staging, mount, _needed = small_disk
     with untouched(staging.nas):
-        # One copy at a time: the filler strikes after the first blob, with blobs still to go.
-        result = run_with_filler(lambda: staging.mirror("--jobs", "1"), mount / "filler",
+        # One copy at a time: the filler strikes after the first blob, with blobs still to go. At
+        # 30 MB/s it has a sixth of a second per blob to be scheduled; unthrottled, a loaded machine
+        # let tmpfs take all of them first, three times in a row.
+        result = run_with_filler(lambda: staging.mirror("--jobs", "1", "--bwlimit", "30M"), mount / "filler",
                                  [f"{staging.local}/blobs/*/*", f"{staging.local}/models--*/blobs/*"],
                                  lambda: shutil.rmtree(staging.local))
     assert_stopped_on_enospc(result, staging.local)
