@@ -20,6 +20,15 @@ python3 -m venv .venv
 # and nothing of it outlives the run.
 base=$(mktemp -d "${TMPDIR:-/tmp}/stager-tests.XXXXXX")
 status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$base/t" "$@" || status=$?
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
+if [ $# -gt 0 ]; then
+  "${pytest[@]}" --basetemp "$base/t" "$@" || status=$?
+else
+  # Two workers for all but the namespace lab (tests/conftest.py groups them), then the lab
+  # alone: its tests compare wall times, which another worker's load would skew.
+  lab=tests/fleet/test_fleet_lab.py
+  "${pytest[@]}" -n 2 --dist loadgroup --basetemp "$base/t" --ignore "$lab" || status=$?
+  "${pytest[@]}" --basetemp "$base/lab" "$lab" || status=$?
+fi
 rm -rf --one-file-system "$base"
 exit "$status"

@@ -119,3 +119,16 @@ def nas_hub(tmp_path: Path) -> Hub:
 @pytest.fixture
 def local_hub(tmp_path: Path) -> Path:
     return tmp_path / "nvme" / "hf" / "hub"
+
+
+# scripts/test.sh runs the suite on two xdist workers (the namespace lab after, alone): each module
+# whole on one worker, its module fixtures built once; every module that starts Ray on the same
+# worker, one after another, as their clusters, ports and session directories are machine-wide.
+RAY_MODULES = {"tests/fleet/test_fleet.py", "tests/fleet/test_liveness.py", "tests/cli/test_fleet_cli.py",
+               "tests/cli/test_docs_shell.py", "tests/fleet/test_fleet_lab.py"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
