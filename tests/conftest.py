@@ -52,6 +52,22 @@ def make_demo(where: Path) -> Path:
     return where / "demo" / "cluster.toml"
 
 
+def open_files(pid: int) -> list[str]:
+    """What `pid` has open now, as /proc names it: a descriptor closed (or the process gone) while
+    they are read is left out, not an error."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return []
+    paths = []
+    for fd in fds:
+        try:
+            paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return paths
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

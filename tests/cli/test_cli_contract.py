@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, INSTALLED_STAGE, make_demo, write_manifest
+from conftest import BIN, INSTALLED_STAGE, make_demo, open_files, write_manifest
 from hubgen import Hub, add_engram_checkpoint, streamed_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
@@ -243,17 +243,7 @@ def reading_under(root: Path):
     prefix = str(root) + "/"
 
     def ready(pid: int) -> bool:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except FileNotFoundError:
-            return False
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
-                    return True
-            except OSError:
-                continue
-        return False
+        return any(path.startswith(prefix) for path in open_files(pid))
 
     return ready
 
@@ -291,18 +281,6 @@ def test_signal_during_mirror_cleans_up_and_releases_the_lock(big_nas, tmp_path,
     again = stage("mirror", "--node", "dgx1", "--full", "--manifest", manifest)
     assert again.returncode == 0, again.stderr  # not refused as locked; it converges and verifies
     assert temp_files(tmp_path) == []
-
-
-def open_files(pid: int) -> list[str]:
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except FileNotFoundError:
-        return []
-    paths = []
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    return paths
 
 
 def bytes_read(pid: int) -> int | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_stage, sha256_file
+from conftest import open_files, run_stage, sha256_file
 from hubgen import Hub, random_safetensors
 from remote_fixtures import SshServer, hub_tree, load_offline, silent_port
 from stager.fleet import LABEL
@@ -644,11 +644,7 @@ def listening_addresses(root_pid: int) -> dict[str, str]:
     held by root_pid's descendants."""
     inodes = set()
     for pid in descendants(root_pid):
-        try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            continue
-        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+        inodes |= {link[8:-1] for link in open_files(pid) if link.startswith("socket:[")}
     found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:

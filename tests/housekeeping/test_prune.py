@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, sha256_file, write_manifest
+from conftest import REPO, open_files, sha256_file, write_manifest
 from hub_mock import HubMock
 from prune_fixtures import (HOLD_MMAP, MODEL, MODEL_DIR, OLD_DIR, STAGE, Node, build_node, guard, listed,
                             scan_clean, verify_full)
@@ -106,8 +106,7 @@ def test_a_mapped_blob_keeps_its_revision_in_use(node: Node):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert not any(f"/{blob.name}" in os.readlink(f"/proc/{holder.pid}/fd/{fd}")
-                       for fd in os.listdir(f"/proc/{holder.pid}/fd"))  # mapped, not open
+        assert not any(f"/{blob.name}" in path for path in open_files(holder.pid))  # mapped, not open
         audit = node.stage("audit", "--json")
         result = node.prune()
         assert result.code == 1, result.stdout + result.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_stage, sha256_file, source_writer, write_manifest
+from conftest import open_files, run_stage, sha256_file, source_writer, write_manifest
 from hubgen import Hub, random_safetensors
 from reliability_support import (MODEL, STAGE, MiB, Staging, assert_hub_truthful, bind, build_staging, holding,
                                  needs_root, offline_load, read_only_bind, run_json, temp_files, tree_state,
@@ -440,8 +440,7 @@ def test_a_mirror_that_waited_for_the_lock_stages_the_ref_as_it_is_then(staging)
         waiting = subprocess.Popen([*STAGE, "mirror", "--node", "dgx1", "--wait", "60", "--json", "--manifest",
                                     str(staging.manifest)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # It has read the ref and opened the lock file: it is waiting for the holder.
-        while not any(os.path.realpath(f"/proc/{waiting.pid}/fd/{fd}") == str(lock)
-                      for fd in os.listdir(f"/proc/{waiting.pid}/fd")):
+        while os.path.realpath(lock) not in open_files(waiting.pid):
             assert waiting.poll() is None, waiting.communicate()
             time.sleep(0.002)
         ref = staging.nas / "models--acme--Weights" / "refs" / "main"
