@@ -204,10 +204,14 @@ class Probes:
 
     def _nas_outruns(self, names: list[str], nas_alone: float, ceiling: dict[str, float]) -> bool:
         """Whether the NAS, read by the head alone, is NAS_MARGIN times faster than the slowest hop
-        (the links, the head's cores): worth measuring with every node. By the links' pulls as far
-        as they have come when that is clear (HASTE_MARGIN), else once they are done: on a NAS
-        faster than the links, waiting for the last piece (half a second on the lab's links) cost
-        runs that direct reads take in three; and a pull measured over two pieces is rough."""
+        (the links, the head's cores): worth measuring with every node. The head's ceiling bounds
+        the slowest hop from above, so a NAS NAS_MARGIN times faster than it needs no link
+        measured. Else by the links' pulls as far as they have come when that is clear
+        (HASTE_MARGIN), else once they are done: on a NAS faster than the links, waiting for the
+        last piece (half a second on the lab's links) cost runs that direct reads take in three;
+        and a pull measured over two pieces is rough."""
+        if ceiling and nas_alone > NAS_MARGIN * min(ceiling.values()):
+            return True
         hops = [*self._links(names, wait=False).values(), *ceiling.values()]
         if hops and nas_alone > HASTE_MARGIN * min(hops):
             return True

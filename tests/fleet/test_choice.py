@@ -4,6 +4,9 @@ cluster, measured, is tests/fleet/test_fleet_lab.py's."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 
 from stager.base.errors import BadInput
@@ -58,6 +61,52 @@ def test_the_manifest_tells_the_rates_and_nothing_is_measured():
     slower = Probes(None, dict.fromkeys(NODES), None, FleetConfig(nas_rate=16000 * MB, nas_node_rate=3000 * MB,
                                                                   relay_rate=1000 * MB)).rates(GROUP)
     assert choose(GROUP, slower)[0].transport == "nas"
+
+
+class _Answer:
+    """A probe's ObjectRef: answered at once, or (links still pulling) never."""
+
+    def __init__(self, value=None, ready: bool = True):
+        self.value, self.ready = value, ready
+
+
+class _Ray:
+    def wait(self, refs, num_returns, timeout=None, fetch_local=True):
+        ready = [ref for ref in refs if ref.ready][:num_returns]
+        return ready, [ref for ref in refs if ref not in ready]
+
+    def get(self, ref):
+        return ref.value
+
+
+class _Watch:
+    stalled: dict = {}
+
+    def look(self):
+        return []
+
+    def next_look(self):
+        return 0.01
+
+
+def _agent(nas: float, ceiling: float) -> SimpleNamespace:
+    """A node whose NAS reads at `nas` and whose cores could carry a relay at `ceiling`, and whose
+    pull of the link probe never ends (a link too slow to have measured anything yet)."""
+    call = lambda value, ready=True: SimpleNamespace(remote=lambda *args: _Answer(value, ready))  # noqa: E731
+    return SimpleNamespace(probe_payload=call(b""), probe_pull=call(None, ready=False), probe_pulled=call(None),
+                           probe_nas=call((nas, ceiling)), probe_cpu=call(ceiling))
+
+
+def test_a_nas_faster_than_what_the_heads_cores_could_relay_is_read_by_every_node_without_waiting_for_the_links():
+    """The head's ceiling bounds every hop of the chain from above: a NAS 1.5x faster than it goes
+    to every node's measure at once. It once waited for the links' pulls too (half a second on the
+    lab's links, on runs direct reads take in two; here, a pull that never ends, PROBE_WAIT)."""
+    agents = {name: _agent(nas=2000 * MB, ceiling=1200 * MB) for name in NODES}
+    started = time.monotonic()
+    rates = Probes(_Ray(), agents, _Watch(), FleetConfig()).rates(GROUP)
+    assert time.monotonic() - started < 1.0
+    assert rates.nas_each == dict.fromkeys(NODES, 2000 * MB) and rates.link == {}, rates
+    assert choose(GROUP, rates)[0].transport == "nas"
 
 
 def test_the_table_and_the_json_say_what_was_chosen_and_the_rates_behind_it():
