@@ -127,6 +127,10 @@ def _group_choice(members: tuple[str, ...], files: tuple[Share, ...], rates: Rat
     return GroupChoice(members, len(files), size, "broadcast", {"broadcast": broadcast, "nas": direct}, bound)
 
 
+def _direct_wins(groups: list[tuple[tuple[str, ...], tuple[Share, ...]]], rates: Rates) -> bool:
+    return all(group.transport == "nas" for group in choose(groups, rates))
+
+
 def _broadcast_rate(members: tuple[str, ...], rates: Rates) -> tuple[float | None, str]:
     """The chain's rate (or the most it could be, as far as the rates are known), and what sets
     it: the head's NAS read, a link into a node after it, or a node's CPU."""
@@ -190,10 +194,13 @@ class Probes:
         nas_each = self._nas_told(names)
         if not nas_each and nas_alone is not None and self._nas_outruns(names, nas_alone, ceiling):
             nas_each, ceiling = self._nas_each(names, largest, data)
-        link = self._links(names, wait=False)
-        upper = Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, ceiling=ceiling, told=keys)
-        if nas_each and all(group.transport == "nas" for group in choose(groups, upper)):
-            return upper  # direct reads beat the most the broadcast could do
+        # Direct reads that beat the most the broadcast could do need nothing more measured: by the
+        # links so far, then by the links measured (the CPU can only slow a chain).
+        for wait in (False, True) if nas_each else ():
+            upper = Rates(nas_alone=nas_alone, nas_each=nas_each, link=self._links(names, wait=wait), ceiling=ceiling,
+                          told=keys)
+            if _direct_wins(groups, upper):
+                return upper
         link = self._links(names, wait=True)
         cpu = self._cpu(names)
         slowest = min((rate for rate in (Rates(link=link, cpu=cpu).relay(name) for name in names[1:]) if rate),

@@ -89,12 +89,22 @@ class _Watch:
         return 0.01
 
 
-def _agent(nas: float, ceiling: float) -> SimpleNamespace:
-    """A node whose NAS reads at `nas` and whose cores could carry a relay at `ceiling`, and whose
-    pull of the link probe never ends (a link too slow to have measured anything yet)."""
-    call = lambda value, ready=True: SimpleNamespace(remote=lambda *args: _Answer(value, ready))  # noqa: E731
-    return SimpleNamespace(probe_payload=call(b""), probe_pull=call(None, ready=False), probe_pulled=call(None),
-                           probe_nas=call((nas, ceiling)), probe_cpu=call(ceiling))
+def _agent(nas: float, ceiling: float, link: float | None = None, asked: list | None = None,
+           nas_alone: float | None = None) -> SimpleNamespace:
+    """A node whose NAS reads at `nas` (`nas_alone` the first time, if given: the head reading it
+    alone), whose cores could carry a relay at `ceiling`, and whose pull of the link probe ends at
+    `link` (None: never, a link too slow to have measured anything yet); nothing of it is known
+    before the pull ends. Every measure it is asked for goes to `asked`."""
+    asked = [] if asked is None else asked
+    reads = iter([nas_alone] if nas_alone else [])
+
+    def call(name: str, value, ready: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(remote=lambda *args: asked.append(name) or _Answer(value() if callable(value) else value,
+                                                                                   ready))
+
+    return SimpleNamespace(probe_payload=call("payload", b""), probe_pull=call("pull", link, ready=link is not None),
+                           probe_pulled=call("pulled", None), probe_nas=call("nas", lambda: (next(reads, nas), ceiling)),
+                           probe_cpu=call("cpu", ceiling))
 
 
 def test_a_nas_faster_than_what_the_heads_cores_could_relay_is_read_by_every_node_without_waiting_for_the_links():
@@ -106,6 +116,20 @@ def test_a_nas_faster_than_what_the_heads_cores_could_relay_is_read_by_every_nod
     rates = Probes(_Ray(), agents, _Watch(), FleetConfig()).rates(GROUP)
     assert time.monotonic() - started < 1.0
     assert rates.nas_each == dict.fromkeys(NODES, 2000 * MB) and rates.link == {}, rates
+    assert choose(GROUP, rates)[0].transport == "nas"
+
+
+def test_once_the_links_show_direct_reads_win_no_cpu_is_measured():
+    """Direct reads at 800 MB/s against a chain the head's cores would let run at 1.2 GB/s (its NAS
+    read alone at 2 GB/s): the broadcast could win until the links are in (25 MB/s). Then it
+    cannot, whatever the CPU: no node spends 0.2 s hashing for a measure that cannot change the
+    choice."""
+    asked: list[str] = []
+    agents = {name: _agent(nas=800 * MB, nas_alone=2000 * MB, ceiling=1200 * MB, link=25.0 * MB, asked=asked)
+              for name in NODES}
+    probes = Probes(_Ray(), agents, _Watch(), FleetConfig())
+    rates = probes.rates([(NODES, tuple(Share(f"blobs/{i}", f"models--m/blobs/{i}", 500 * MB) for i in range(4)))])
+    assert "cpu" not in asked and rates.cpu == {} and rates.link == dict.fromkeys(NODES, 25.0 * MB), (asked, rates)
     assert choose(GROUP, rates)[0].transport == "nas"
 
 
