@@ -13,8 +13,9 @@ the first second of the run, each only when it can change the choice (probe.py, 
 the links into each node while the agents plan (Ray's own transfer, one hop of a ring each); then
 the head reading the NAS alone, with what its cores could give a relay at most; then, only if the
 NAS alone is NAS_MARGIN times faster than the slowest hop known, every node reading it at once
-(and if direct reads then beat the most the broadcast could do, nothing more is waited for); then
-what each node's CPU gives a relay now, under its quota and load. So on the usual cluster, a NAS
+(and if direct reads then beat the most the broadcast could do, by the links so far or once they
+are in, nothing more is measured); then what each node's CPU gives a relay now, under its quota
+and load. So on the usual cluster, a NAS
 no faster than one link, the measures read the NAS once, PROBE_SHARE of the data (at least
 probe.PROBE_MIN), by the head.
 """
