@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fake_ray import ActorDied, Call, FakeRay, QuietWatch
 from stager.fleet.broadcast import keys
 from stager.fleet.broadcast.keys import mint
 from stager.fleet.broadcast.wire import FRAME
@@ -365,63 +366,14 @@ def test_the_driver_moves_the_first_laggard():
     assert laggard(names, {"a": LAG_MIN_CHUNKS, "b": LAG_MIN_CHUNKS, "c": LAG_MIN_CHUNKS, "d": 0}, trailing, trailing,
                    set()) is None
 
-class _ActorDied(Exception):
-    """What Ray raises for a call to an actor whose worker died (its RayActorError)."""
-
-
-class _Call:
-    def __init__(self, value=None, error: BaseException | None = None, ready: bool = False):
-        self.value, self.error, self.ready = value, error, ready
-
-
-class _FakeRay:
-    """Ray as the chain's loop uses it: wait, get, kill, and the exception it tells death by."""
-
-    class exceptions:
-        RayActorError = _ActorDied
-
-    def wait(self, refs, num_returns, timeout):
-        ready = [ref for ref in refs if ref.ready][:num_returns]
-        return ready, [ref for ref in refs if ref not in ready]
-
-    def get(self, ref):
-        if ref.error is not None:
-            raise ref.error
-        return ref.value
-
-    def kill(self, *args, **kwargs):
-        pass
-
 
 class _FakeRelay:
     """A relay's agent: `run` answers with `call`; each reroute's chain is kept."""
 
-    def __init__(self, call: _Call):
+    def __init__(self, call: Call):
         self.reroutes: list[tuple] = []
         self.run = SimpleNamespace(remote=lambda *args: call)
         self.reroute = SimpleNamespace(remote=lambda number, chain: self.reroutes.append(chain))
-
-
-class _QuietWatch:
-    """Every agent answers; nothing is silent, stalled or judged."""
-
-    def __init__(self):
-        self.stalled: dict = {}
-
-    def look(self):
-        return []
-
-    def next_look(self):
-        return 0.0
-
-    def silent_for(self, seconds):
-        return set()
-
-    def same_look(self, nodes):
-        return None
-
-    def forget(self, node):
-        pass
 
 
 def test_a_relay_that_dies_is_moved_out_of_the_chain_at_once():
@@ -433,8 +385,8 @@ def test_a_relay_that_dies_is_moved_out_of_the_chain_at_once():
 
     share = Share("models--acme--m/blobs/x", "models--acme--m/blobs/x", 64 * CHUNK)
     chain = tuple((name, "127.0.0.1", 7900 + index) for index, name in enumerate("abcd"))
-    calls = {"a": _Call(), "b": _Call(error=_ActorDied("The actor is unavailable"), ready=True), "c": _Call(),
-             "d": _Call()}
+    calls = {"a": Call(), "b": Call(error=ActorDied("The actor is unavailable"), ready=True), "c": Call(),
+             "d": Call()}
     relays = {name: _FakeRelay(call) for name, call in calls.items()}
     stats = {name: {"peer_bytes": 0, "nas_bytes": 0, "landed_files": 0, "upstreams": [], "fallbacks": [],
                     "bad_senders": [], "refused": [], "error": None} for name in relays}
@@ -448,8 +400,8 @@ def test_a_relay_that_dies_is_moved_out_of_the_chain_at_once():
                                       "upstreams": [], "bad_senders": []}
                 calls[other].ready = True
 
-    _run_chain(_FakeRay(), relays, Session(0, (share,), chain), stats, time.monotonic() + 30,
-               dict.fromkeys(relays, 0), done, {}, _QuietWatch())
+    _run_chain(FakeRay(), relays, Session(0, (share,), chain), stats, time.monotonic() + 30,
+               dict.fromkeys(relays, 0), done, {}, QuietWatch())
     assert finished[0] == ("b", "The actor is unavailable"), finished
     moved = tuple(name for name, _, _ in relays["c"].reroutes[0])
     assert moved == ("a", "c", "d", "b"), relays["c"].reroutes

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fake_ray import Call, FakeRay, QuietWatch
 from stager.base.errors import BadInput
 from stager.fleet.broadcast.relay import Share
 from stager.fleet.choice import Probes, Rates, choose
@@ -63,32 +64,6 @@ def test_the_manifest_tells_the_rates_and_nothing_is_measured():
     assert choose(GROUP, slower)[0].transport == "nas"
 
 
-class _Answer:
-    """A probe's ObjectRef: answered at once, or (links still pulling) never."""
-
-    def __init__(self, value=None, ready: bool = True):
-        self.value, self.ready = value, ready
-
-
-class _Ray:
-    def wait(self, refs, num_returns, timeout=None, fetch_local=True):
-        ready = [ref for ref in refs if ref.ready][:num_returns]
-        return ready, [ref for ref in refs if ref not in ready]
-
-    def get(self, ref):
-        return ref.value
-
-
-class _Watch:
-    stalled: dict = {}
-
-    def look(self):
-        return []
-
-    def next_look(self):
-        return 0.01
-
-
 def _agent(nas: float, ceiling: float, link: float | None = None, asked: list | None = None,
            nas_alone: float | None = None) -> SimpleNamespace:
     """A node whose NAS reads at `nas` (`nas_alone` the first time, if given: the head reading it
@@ -99,8 +74,11 @@ def _agent(nas: float, ceiling: float, link: float | None = None, asked: list | 
     reads = iter([nas_alone] if nas_alone else [])
 
     def call(name: str, value, ready: bool = True) -> SimpleNamespace:
-        return SimpleNamespace(remote=lambda *args: asked.append(name) or _Answer(value() if callable(value) else value,
-                                                                                   ready))
+        def remote(*args) -> Call:
+            asked.append(name)
+            return Call(value() if callable(value) else value, ready=ready)
+
+        return SimpleNamespace(remote=remote)
 
     return SimpleNamespace(probe_payload=call("payload", b""), probe_pull=call("pull", link, ready=link is not None),
                            probe_pulled=call("pulled", None), probe_nas=call("nas", lambda: (next(reads, nas), ceiling)),
@@ -113,7 +91,7 @@ def test_a_nas_faster_than_what_the_heads_cores_could_relay_is_read_by_every_nod
     lab's links, on runs direct reads take in two; here, a pull that never ends, PROBE_WAIT)."""
     agents = {name: _agent(nas=2000 * MB, ceiling=1200 * MB) for name in NODES}
     started = time.monotonic()
-    rates = Probes(_Ray(), agents, _Watch(), FleetConfig()).rates(GROUP)
+    rates = Probes(FakeRay(), agents, QuietWatch(), FleetConfig()).rates(GROUP)
     assert time.monotonic() - started < 1.0
     assert rates.nas_each == dict.fromkeys(NODES, 2000 * MB) and rates.link == {}, rates
     assert choose(GROUP, rates)[0].transport == "nas"
@@ -127,8 +105,8 @@ def test_once_the_links_show_direct_reads_win_no_cpu_is_measured():
     asked: list[str] = []
     agents = {name: _agent(nas=800 * MB, nas_alone=2000 * MB, ceiling=1200 * MB, link=25.0 * MB, asked=asked)
               for name in NODES}
-    probes = Probes(_Ray(), agents, _Watch(), FleetConfig())
-    rates = probes.rates([(NODES, tuple(Share(f"blobs/{i}", f"models--m/blobs/{i}", 500 * MB) for i in range(4)))])
+    probes = Probes(FakeRay(), agents, QuietWatch(), FleetConfig())
+    rates = probes.rates(GROUP)
     assert "cpu" not in asked and rates.cpu == {} and rates.link == dict.fromkeys(NODES, 25.0 * MB), (asked, rates)
     assert choose(GROUP, rates)[0].transport == "nas"
 
