@@ -15,9 +15,8 @@ the head reading the NAS alone, with what its cores could give a relay at most; 
 NAS alone is NAS_MARGIN times faster than the slowest hop known, every node reading it at once
 (and if direct reads then beat the most the broadcast could do, by the links so far or once they
 are in, nothing more is measured); then what each node's CPU gives a relay now, under its quota
-and load. So on the usual cluster, a NAS
-no faster than one link, the measures read the NAS once, PROBE_SHARE of the data (at least
-probe.PROBE_MIN), by the head.
+and load. So on the usual cluster, a NAS no faster than one link, the measures read the NAS once,
+PROBE_SHARE of the data (at least probe.PROBE_MIN), by the head.
 """
 
 from __future__ import annotations
