@@ -111,6 +111,20 @@ def test_once_the_links_show_direct_reads_win_no_cpu_is_measured():
     assert choose(GROUP, rates)[0].transport == "nas"
 
 
+def test_the_link_into_the_head_is_no_hop_and_a_slow_one_sends_no_node_to_the_nas():
+    """The usual cluster: the NAS alone gives the head what a link gives a node. The head's own
+    pull (from the last node of the ring) came in slow, as 8 agents starting on the lab's 2 cores
+    made it: it once counted as the chain's slowest hop, so every node read 2 % of the data from
+    the NAS to measure direct reads that could not win."""
+    asked: list[str] = []
+    agents = {name: _agent(nas=6 * MB, nas_alone=24 * MB, ceiling=1200 * MB, link=25.0 * MB, asked=asked)
+              for name in NODES}
+    agents["dgx1"] = _agent(nas=6 * MB, nas_alone=24 * MB, ceiling=1200 * MB, link=14.0 * MB, asked=asked)
+    rates = Probes(FakeRay(), agents, QuietWatch(), FleetConfig()).rates(GROUP)
+    assert asked.count("nas") == 1 and rates.nas_each == {}, (asked, rates)
+    assert choose(GROUP, rates)[0].transport == "broadcast"
+
+
 def test_the_table_and_the_json_say_what_was_chosen_and_the_rates_behind_it():
     from stager.fleet.choice import Choice
 
