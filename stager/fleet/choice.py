@@ -44,6 +44,7 @@ NAS_MARGIN = 1.5
 # link must not be read by every node for want of waiting a quarter of a second.
 HASTE_MARGIN = 3.0
 PROBE_WAIT = 10.0  # seconds: a probe not answered by then is not waited for (its rate is unknown)
+LINK_LOOK = 0.05  # seconds between looks at the links' pulls while they run
 
 
 @dataclass(frozen=True)
@@ -213,17 +214,26 @@ class Probes:
         """Whether the NAS, read by the head alone, is NAS_MARGIN times faster than the slowest hop
         (the links, the head's cores): worth measuring with every node. The head's ceiling bounds
         the slowest hop from above, so a NAS NAS_MARGIN times faster than it needs no link
-        measured. Else by the links' pulls as far as they have come when that is clear
-        (HASTE_MARGIN), else once they are done: on a NAS faster than the links, waiting for the
-        last piece (half a second on the lab's links) cost runs that direct reads take in three;
-        and a pull measured over two pieces is rough. The link into the head is no hop: the head
-        reads the NAS. Counted as one, a head whose pull was slowed by its neighbours' start (8
-        agents starting on the lab's 2 cores) sent every node to read the NAS on usual runs."""
+        measured. Else by the links' pulls as far as they have come, looked at every LINK_LOOK
+        while they run, as soon as that is clear (HASTE_MARGIN), else once they are done: on a NAS
+        faster than the links, waiting for the last piece (half a second on the lab's links) cost
+        runs that direct reads take in three, and one look taken before the second piece was in
+        waited for all of them; a pull measured over two pieces is rough. The link into the head is
+        no hop: the head reads the NAS. Counted as one, a head whose pull was slowed by its
+        neighbours' start (8 agents starting on the lab's 2 cores) sent every node to read the NAS
+        on usual runs."""
         if ceiling and nas_alone > NAS_MARGIN * min(ceiling.values()):
             return True
-        hops = [*self._links(names[1:], wait=False).values(), *ceiling.values()]
-        if hops and nas_alone > HASTE_MARGIN * min(hops):
-            return True
+        until = time.monotonic() + PROBE_WAIT
+        while True:
+            hops = [*self._links(names[1:], wait=False).values(), *ceiling.values()]
+            if hops and nas_alone > HASTE_MARGIN * min(hops):
+                return True
+            if not self.links or time.monotonic() >= until:
+                break
+            _, running = self.ray.wait(list(self.links), num_returns=len(self.links), timeout=LINK_LOOK)
+            if not running:
+                break
         hops = [*self._links(names[1:], wait=True).values(), *ceiling.values()]
         return bool(hops) and nas_alone > NAS_MARGIN * min(hops)
 
