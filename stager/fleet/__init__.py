@@ -1,16 +1,20 @@
 """`stage fleet`: one command for every node at once, run as Ray tasks pinned to the nodes.
 
-The rooms: `driver` decides which node runs what and collects what each reported; `liveness`
+The rooms: `options` checks what the command is told, once, before any node is asked anything;
+`driver` decides which node runs what and collects what each reported; `liveness`
 tells it which nodes are still there (Ray node gone, agent dead, agent silent: `stalled`); `cluster`
 joins the Ray cluster, and only one that refuses strangers; `node` is what runs inside a node's
 Ray task; `agent` is a broadcast node's actor for the run (its plan, relay and closing mirror in
 one process); `report` is the per-node outcome and the table; `live` is each node's part as it
 goes (a line per node on a terminal) and the warning for nodes that read the NAS instead of their
 peers; `sftp_tree` is the SFTP peer tree (--fan-out), and `broadcast/` the pipelined, keyed chain:
-transports, which move and check bytes; `needs` is the driver's decision of who needs which file.
+transports, which move and check bytes; `needs` is the driver's decision of who needs which file,
+and `choice` (with the agents' measures, `probe`) its choice, per group of files, between the
+broadcast and direct reads.
 """
 
-from stager.fleet.driver import PruneOptions, run_fleet
+from stager.fleet.driver import run_fleet
+from stager.fleet.options import PruneOptions
 from stager.fleet.node import LABEL, node_argv
 from stager.fleet.report import FleetReport, NodeRun, notes, table
 

@@ -30,23 +30,14 @@ from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
 from stager.fleet.live import Tracker
 from stager.fleet.liveness import LOOK_INTERVAL, SILENCE, Pings, Watch, gather, live_labels
 from stager.fleet.node import LABEL, LOCK_WAIT, mirror_options, node_argv, run_on_node
+from stager.fleet.options import PruneOptions, bwlimit, choose_transport, parse_ports, prune_options, verify_options
 from stager.fleet.report import NAS, Delivery, FleetReport, NodeRun, from_answer, stalled, unreachable
 from stager.manifest import Manifest
 
 if TYPE_CHECKING:
     from stager.fleet.choice import Choice
 
-TRANSPORTS = ("broadcast", "sftp", "nas")
 BARS = ("mirror", "verify")  # the commands whose node-local run counts its bytes as it goes
-
-
-@dataclass(frozen=True)
-class PruneOptions:
-    """`stage fleet prune`'s options for each node's `stage prune`."""
-
-    dry_run: bool = False
-    until_free: str | None = None
-    only: tuple[str, ...] = ()
 
 
 def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
@@ -123,31 +114,6 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
     return address, auth, runs, delivered, driver.choice
 
 
-def choose_transport(manifest: Manifest, command: str, names: list[str], fan_out: bool,
-                     transport: str | None) -> str | None:
-    """The transport a mirror uses (None for the other commands). --fan-out is --transport sftp.
-    By default the broadcast, when two or more of the nodes have an address to take it on; else
-    every node reads its own source."""
-    option = "--fan-out" if fan_out else "--transport"
-    if (fan_out or transport) and command != "mirror":
-        raise BadInput(f"{option} applies to `stage fleet mirror` only, not {command}")
-    if fan_out and transport not in (None, "sftp"):
-        raise BadInput(f"--fan-out is --transport sftp; it cannot be combined with --transport {transport}")
-    if transport is not None and transport not in TRANSPORTS:
-        raise BadInput(f"--transport expects one of {', '.join(TRANSPORTS)}, got {transport!r}")
-    chosen = "sftp" if fan_out else transport
-    addressed = [name for name in names if manifest.nodes[name].address]
-    if chosen == "sftp" and not addressed:
-        raise BadInput(f"{manifest.path}: {option} needs nodes.<name>.address = \"[user@]host[:port]\" "
-                       f"on the nodes that serve their peers")
-    if chosen == "broadcast" and len(addressed) < 2:
-        raise BadInput(f"{manifest.path}: --transport broadcast needs nodes.<name>.address = \"[user@]host[:port]\" "
-                       f"on at least two of the nodes (the broadcast listens on its host)")
-    if command != "mirror":
-        return None
-    return chosen or ("broadcast" if len(addressed) >= 2 else "nas")
-
-
 def everyone_reads_nas(manifest: Manifest, names: list[str]) -> tuple[list[str], str, bool]:
     """The nodes a mirror leaves to read the NAS each, told no transport with fewer than two
     addresses, and why: (nodes, why, every node of the run). A node with a source of its own
@@ -167,20 +133,6 @@ def place(manifest: Manifest, url: str | None) -> str | None:
 
     return next((name for name, node in manifest.nodes.items() if node.address and peer_url(manifest, name) == url),
                 url)
-
-
-def parse_ports(ports: str | None) -> tuple[int, int] | None:
-    """--ports LOW-HIGH: the TCP ports a relay may listen on (the first free one is taken)."""
-    if ports is None:
-        return None
-    low, _, high = ports.partition("-")
-    try:
-        chosen = (int(low), int(high or low))
-    except ValueError:
-        chosen = (0, -1)
-    if not 1 <= chosen[0] <= chosen[1] <= 65535:
-        raise BadInput(f"--ports expects LOW-HIGH such as 41000-41099, got {ports!r}")
-    return chosen
 
 
 def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] | None,
@@ -234,13 +186,6 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
                      done=driver.finish, watch=watch)
 
 
-def bwlimit(options: tuple[str, ...]) -> int | None:
-    """The --bwlimit of the nodes' options, in bytes per second, for the broadcast's agents."""
-    from stager.base.units import parse_rate
-
-    return parse_rate(options[options.index("--bwlimit") + 1]) if "--bwlimit" in options else None
-
-
 def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: dict | None) -> NodeRun:
     """The node's run with where its bytes came from: what the broadcast delivered, plus what its
     own mirror copied (from the NAS, or from a peer over SFTP). Its sources, in a word each: the
@@ -259,40 +204,6 @@ def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: d
         bad_senders=tuple(got.get("bad_senders") or ()), refused=tuple(got.get("refused") or ()),
         moved_to_tail=bool(got.get("moved_to_tail")), relay_cpu_seconds=got.get("relay_cpu_seconds"),
         landed_files=int(got.get("landed_files", 0)), sources=tuple(dict.fromkeys(sources))))
-
-
-def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:
-    """`--full` and `--subset N/T` for each node's `stage verify`, checked once here so a typo is
-    one exit 2 rather than one per node; and `--full` for each node's `stage mirror` (every byte
-    checked against its content name; the broadcast's agents take it from these options too)."""
-    if not full and subset is None:
-        return ()
-    if command == "mirror" and subset is None:
-        return ("--full",)
-    if command != "verify":
-        raise BadInput(f"--full and --subset apply to `stage fleet verify` only, not {command}")
-    from stager.mirror.verify import Subset
-
-    try:
-        chosen = Subset.parse(subset) if subset is not None else None
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
-    return (("--full",) if full else ()) + (("--subset", subset) if chosen else ())
-
-
-def prune_options(command: str, prune: PruneOptions) -> tuple[str, ...]:
-    """`--dry-run`, `--until-free` and `--only` for each node's `stage prune`, checked once here."""
-    if prune == PruneOptions():
-        return ()
-    if command != "prune":
-        raise BadInput(f"--dry-run, --until-free and --only apply to `stage fleet prune` only, not {command}")
-    from stager.housekeeping.prune import check_kinds, parse_until_free
-
-    parse_until_free(prune.until_free)
-    check_kinds(prune.only)
-    return ((("--dry-run",) if prune.dry_run else ())
-            + (("--until-free", prune.until_free) if prune.until_free is not None else ())
-            + tuple(option for kind in prune.only for option in ("--only", kind)))
 
 
 @dataclass
