@@ -212,7 +212,8 @@ class Probes:
 
     def _nas_outruns(self, names: list[str], nas_alone: float, ceiling: dict[str, float]) -> bool:
         """Whether the NAS, read by the head alone, is NAS_MARGIN times faster than the slowest hop
-        (the links, the head's cores): worth measuring with every node. The head's ceiling bounds
+        (the links into the nodes after the head, the head's cores): worth measuring with every
+        node. The head's ceiling bounds
         the slowest hop from above, so a NAS NAS_MARGIN times faster than it needs no link
         measured. Else by the links' pulls as far as they have come, looked at every LINK_LOOK
         while they run, as soon as that is clear (HASTE_MARGIN), else once they are done: on a NAS
