@@ -376,6 +376,42 @@ class _FakeRelay:
         self.reroute = SimpleNamespace(remote=lambda number, chain: self.reroutes.append(chain))
 
 
+def _route_after(pace: dict[str, float], looks: int = 40, total: int = 4000):
+    """The chain's _Route after `looks` looks a second apart, each node receiving `pace` chunks a
+    second (the head: reading the NAS), never past its upstream in the order of the moment."""
+    from stager.fleet.broadcast.chain import _Route
+    from stager.fleet.report import Progress
+
+    names = list(pace)
+    route = _Route({name: _FakeRelay(Call()) for name in names},
+                   Session(0, (Share("blobs/x", "blobs/x", total * CHUNK),), tuple((n, "h", 0) for n in names)))
+    held = dict.fromkeys(names, 0.0)
+    for step in range(looks):
+        order = [hop[0] for hop in route.chain]
+        for index, name in enumerate(order):
+            ahead = total if index == 0 else held[order[index - 1]]
+            held[name] = max(held[name], min(ahead, held[name] + pace[name]))
+        answers = {name: Progress("broadcast", session=0, chunks=int(held[name])) for name in names}
+        watch = SimpleNamespace(same_look=lambda running, now=1000.0 + step: (now, answers))
+        route.check(set(names), watch)
+    return route
+
+
+def test_a_head_that_reads_the_nas_faster_than_the_links_moves_no_node_but_one_trial():
+    """On a NAS faster than the links the head lands 20 chunks a second and sends 1.5: every node
+    after it in turn once looked like a laggard and was moved (the lab's 4 nodes at 11 MB/s a node
+    against 23). The node after the head is judged against the head's rate once; then against what
+    the head has shown it sends."""
+    route = _route_after({"a": 20.0, "b": 1.5, "c": 1.5, "d": 1.5})
+    assert route.moved <= {"b"}, route.chain
+    # A node truly slow, found right after the head once the trial is spent, is still moved.
+    route = _route_after({"a": 20.0, "b": 1.5, "c": 0.4, "d": 1.5})
+    assert "c" in route.moved and "d" not in route.moved, (route.moved, route.chain)
+    # On the usual cluster the head reads at a link's rate, and a slow node after it goes.
+    route = _route_after({"a": 1.5, "b": 0.4, "c": 1.5, "d": 1.5})
+    assert route.moved == {"b"}, route.chain
+
+
 def test_a_relay_that_dies_is_moved_out_of_the_chain_at_once():
     """b dies (its run fails as Ray fails a dead actor's call) while c and d still receive: both
     are told at once of an order with b at the tail, and b is done with why. Left where it stood,

@@ -174,7 +174,15 @@ class _Route:
     by how far behind alone, it was moved too, behind the laggard, and stalled there. Rates are taken
     over the last RATE_LOOKS looks: over one, a healthy node's one whole chunk against its
     upstream's two looked like half the rate. Only looks every running node answered count: a node
-    that does not answer is not slow, it is the watch's to judge (liveness.SILENCE)."""
+    that does not answer is not slow, it is the watch's to judge (liveness.SILENCE).
+
+    The head's rate is what it reads from the NAS, not what it can send: on a NAS faster than the
+    links it lands chunks far faster than any link carries them, and every node after it in turn
+    looked like a laggard (4 nodes on the lab's fast NAS: all three moved, one after the other,
+    each then waiting at the tail for the nodes it had been ahead of). A slow node right after the
+    head cannot be told from a slow uplink of the head's but by moving it: so the node after the
+    head is judged against the head's rate once, and from then on against the best rate any node
+    has received at from the head, which is what the head has shown it can send."""
 
     def __init__(self, relays: dict, session: Session):
         self.relays, self.session = relays, session
@@ -185,6 +193,8 @@ class _Route:
         self.seen = -1.0  # the time of the last look taken
         self.quiet_until = 0.0  # no judging before this (monotonic): a reroute is settling
         self.peaks: dict[str, float] = {}  # each node's best receive rate so far, chunks per second
+        self.head_tried = False  # a node was moved from right after the head (see above)
+        self.after_head = 0.0  # the best rate a node right after the head has received at
 
     def around(self, silent: set[str], answering: set[str]) -> None:
         """Move each silent (or dead) node that a running, answering node still comes after to the tail."""
@@ -212,8 +222,11 @@ class _Route:
         rates = {name: (held[name] - before.get(name, 0)) / max(now - then, 1e-3) for name in names}
         for name, rate in rates.items():
             self.peaks[name] = max(rate, self.peaks.get(name, 0.0))
-        name = laggard(names, held, rates, self.peaks, self.moved)
+        if len(names) > 1:
+            self.after_head = max(self.after_head, rates[names[1]])
+        name = laggard(names, held, rates, self.peaks, self.moved, self.after_head if self.head_tried else None)
         if name is not None:
+            self.head_tried |= name == names[1]
             self.moved.add(name)
             self._to_tail(name, running, now)
 
@@ -233,14 +246,17 @@ class _Route:
 
 
 def laggard(names: list[str], held: dict[str, int], rates: dict[str, float], peaks: dict[str, float],
-            moved: set[str]) -> str | None:
+            moved: set[str], head_sends: float | None = None) -> str | None:
     """The first node (not the head, not the tail, not moved before) LAG_MIN_CHUNKS behind its
     upstream and receiving at less than LAG_FRACTION of the best rate that upstream has shown
-    (chunks per second over the last looks): what it could be sending, even once it has finished."""
+    (chunks per second over the last looks): what it could be sending, even once it has finished.
+    For the head, what it has shown it sends (`head_sends`, once known: see _Route), if less."""
     for index in range(1, len(names) - 1):
         name, upstream = names[index], names[index - 1]
-        if (name not in moved and held[upstream] - held[name] >= LAG_MIN_CHUNKS
-                and rates[name] < LAG_FRACTION * peaks.get(upstream, 0.0)):
+        best = peaks.get(upstream, 0.0)
+        if index == 1 and head_sends is not None:
+            best = min(best, head_sends)
+        if name not in moved and held[upstream] - held[name] >= LAG_MIN_CHUNKS and rates[name] < LAG_FRACTION * best:
             return name
     return None
 
