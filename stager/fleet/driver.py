@@ -29,8 +29,10 @@ from stager.base.errors import BadInput
 from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
 from stager.fleet.live import Tracker
 from stager.fleet.liveness import LOOK_INTERVAL, SILENCE, Pings, Watch, gather, live_labels
-from stager.fleet.node import LABEL, LOCK_WAIT, mirror_options, node_argv, run_on_node
-from stager.fleet.options import PruneOptions, bwlimit, choose_transport, parse_ports, prune_options, verify_options
+from stager.fleet.node import LABEL, LOCK_WAIT, node_argv, run_on_node
+from stager.fleet.options import (
+    PruneOptions, bwlimit, choose_transport, mirror_options, parse_ports, prune_options, verify_options,
+)
 from stager.fleet.report import NAS, Delivery, FleetReport, NodeRun, from_answer, stalled, unreachable
 from stager.manifest import Manifest
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-from stager.base.errors import BadInput
 from stager.manifest import Manifest
 
 # The Ray node label that carries a node's manifest name: how a task finds its node.
@@ -31,17 +30,6 @@ def node_argv(manifest: Manifest, command: str, node: str, source: str | None = 
     if source:
         argv += ["--source", source]
     return argv + list(options)
-
-
-def mirror_options(command: str, bwlimit: str | None) -> tuple[str, ...]:
-    """`--bwlimit RATE` for each node's `stage mirror`: each node reads at most RATE from its
-    sources. A broadcast node's agent takes the same option (driver.broadcast_shared): RATE for
-    what it reads from the NAS, and RATE for what its relay sends its peers."""
-    if bwlimit is None:
-        return ()
-    if command != "mirror":
-        raise BadInput(f"--bwlimit applies to `stage fleet mirror` only, not {command}")
-    return "--bwlimit", bwlimit
 
 
 def run_on_node(argv: list[str], timeout: float, board=None, node: str | None = None,

@@ -67,6 +67,17 @@ def bwlimit(options: tuple[str, ...]) -> int | None:
     return parse_rate(options[options.index("--bwlimit") + 1]) if "--bwlimit" in options else None
 
 
+def mirror_options(command: str, bwlimit: str | None) -> tuple[str, ...]:
+    """`--bwlimit RATE` for each node's `stage mirror`: each node reads at most RATE from its
+    sources. A broadcast node's agent takes the same option (driver.broadcast_shared): RATE for
+    what it reads from the NAS, and RATE for what its relay sends its peers."""
+    if bwlimit is None:
+        return ()
+    if command != "mirror":
+        raise BadInput(f"--bwlimit applies to `stage fleet mirror` only, not {command}")
+    return "--bwlimit", bwlimit
+
+
 def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:
     """`--full` and `--subset N/T` for each node's `stage verify`, checked once here so a typo is
     one exit 2 rather than one per node; and `--full` for each node's `stage mirror` (every byte

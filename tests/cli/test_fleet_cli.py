@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import sha256_file
-from stager.fleet.node import mirror_options, node_argv, run_on_node
+from stager.fleet.node import node_argv, run_on_node
+from stager.fleet.options import mirror_options
 from stager.manifest import load_manifest
 
 REPO = Path(__file__).resolve().parents[2]
