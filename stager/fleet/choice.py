@@ -213,14 +213,13 @@ class Probes:
     def _nas_outruns(self, names: list[str], nas_alone: float, ceiling: dict[str, float]) -> bool:
         """Whether the NAS, read by the head alone, is NAS_MARGIN times faster than the slowest hop
         (the links into the nodes after the head, the head's cores): worth measuring with every
-        node. The head's ceiling bounds
-        the slowest hop from above, so a NAS NAS_MARGIN times faster than it needs no link
-        measured. Else by the links' pulls as far as they have come, looked at every LINK_LOOK
-        while they run, as soon as that is clear (HASTE_MARGIN), else once they are done: on a NAS
-        faster than the links, waiting for the last piece (half a second on the lab's links) cost
-        runs that direct reads take in three, and one look taken before the second piece was in
-        waited for all of them; a pull measured over two pieces is rough. The link into the head is
-        no hop: the head reads the NAS. Counted as one, a head whose pull was slowed by its
+        node. The head's ceiling bounds the slowest hop from above, so a NAS NAS_MARGIN times faster
+        than it needs no link measured. Else by the links' pulls as far as they have come, looked at
+        every LINK_LOOK while they run, as soon as that is clear (HASTE_MARGIN), else once they are
+        done: on a NAS faster than the links, waiting for the last piece (half a second on the lab's
+        links) cost runs that direct reads take in three, and one look taken before the second piece
+        was in waited for all of them; a pull measured over two pieces is rough. The link into the
+        head is no hop: the head reads the NAS. Counted as one, a head whose pull was slowed by its
         neighbours' start (8 agents starting on the lab's 2 cores) sent every node to read the NAS
         on usual runs."""
         if ceiling and nas_alone > NAS_MARGIN * min(ceiling.values()):
