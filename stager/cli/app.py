@@ -211,6 +211,8 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             terminal.discard(sys.stderr)
         return EXIT_BAD_INPUT, None, exc.format_message()
     except (StageError, OSError) as exc:  # an OSError not mapped by the core names its path
+        if (signalled := _signal_behind(exc)) is not None:
+            return signalled.exit_code, None, signalled.message
         code, message = ending(exc)
         message = _naming_the_default_manifest(message)
         return code, f"error: {message}", message
@@ -219,10 +221,26 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             return 128 + signal.SIGPIPE, None, None
         return (exc.code if isinstance(exc.code, int) else 1), None, None
     except Exception as exc:  # noqa: BLE001 - the contract is one line, never a traceback
+        if (signalled := _signal_behind(exc)) is not None:
+            return signalled.exit_code, None, signalled.message
         if os.environ.get("STAGE_DEBUG"):
             raise
         code, message = ending(exc)
         return code, message, message
+
+
+def _signal_behind(exc: BaseException) -> Signalled | None:
+    """The signal whose unwinding raised `exc`, if one did. A SIGTERM that lands while a module is
+    being imported leaves it half-initialised; a clean-up on the way out that imports it again
+    raised AttributeError ("partially initialized module 'logging'") in the signal's place, and
+    the run ended as an internal error (exit 3) instead of terminated (143)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, Signalled):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _naming_the_default_manifest(message: str) -> str:
