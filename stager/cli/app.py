@@ -156,9 +156,13 @@ def _announce(signalled: Signalled) -> None:
     """The run's one stderr line, at once: a Ctrl-C with copies in flight was silent for as long
     as they took. Written straight to the descriptor: the signal may have arrived in the middle of
     a write to sys.stderr, which a second write through the same buffer would refuse."""
-    from stager.base.workers import in_flight
-
-    busy = ", ".join(f"{n} {noun if n != 1 else _singular(noun)}" for noun, n in sorted(in_flight().items()))
+    # Nothing is imported here: the signal may land while a module is being imported, and an
+    # import from the handler then found it half-initialised (AttributeError: partially
+    # initialized module 'logging'), which took the signal's place: exit 3, not 143. Without the
+    # workers module loaded, nothing is in flight.
+    workers = sys.modules.get("stager.base.workers")
+    flying = workers.in_flight() if workers is not None else {}
+    busy = ", ".join(f"{n} {noun if n != 1 else _singular(noun)}" for noun, n in sorted(flying.items()))
     line = f"stage: {signalled.message}" + (f", stopping {busy} in flight..." if busy else "")
     try:
         os.write(2, (line + "\n").encode())
@@ -211,8 +215,6 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             terminal.discard(sys.stderr)
         return EXIT_BAD_INPUT, None, exc.format_message()
     except (StageError, OSError) as exc:  # an OSError not mapped by the core names its path
-        if (signalled := _signal_behind(exc)) is not None:
-            return signalled.exit_code, None, signalled.message
         code, message = ending(exc)
         message = _naming_the_default_manifest(message)
         return code, f"error: {message}", message
@@ -221,26 +223,10 @@ def _run(argv: list[str]) -> tuple[int, str | None, str | None]:
             return 128 + signal.SIGPIPE, None, None
         return (exc.code if isinstance(exc.code, int) else 1), None, None
     except Exception as exc:  # noqa: BLE001 - the contract is one line, never a traceback
-        if (signalled := _signal_behind(exc)) is not None:
-            return signalled.exit_code, None, signalled.message
         if os.environ.get("STAGE_DEBUG"):
             raise
         code, message = ending(exc)
         return code, message, message
-
-
-def _signal_behind(exc: BaseException) -> Signalled | None:
-    """The signal whose unwinding raised `exc`, if one did. A SIGTERM that lands while a module is
-    being imported leaves it half-initialised; a clean-up on the way out that imports it again
-    raised AttributeError ("partially initialized module 'logging'") in the signal's place, and
-    the run ended as an internal error (exit 3) instead of terminated (143)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, Signalled):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def _naming_the_default_manifest(message: str) -> str:
