@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stager.base.errors import CannotRun
+from stager.base.interrupts import signals_held
 
 TEMP_MARK = ".stage-"
 # `.<name>.stage-<8 hex>.tmp`: hidden, and never mistaken for huggingface_hub's `*.incomplete`.
@@ -109,8 +110,10 @@ def atomic_file(path: Path, *, mode: int | None = None, size_hint: int = 0, mtim
     `mode` the file gets its directory's sharing (shared_file_mode); with it, `mode` less the umask.
     """
     path = Path(path)
-    fd, temp = _create_temp(path, mode)
+    fd, temp = -1, None
     try:
+        with signals_held():  # a signal between the temp's creation and here left it behind
+            fd, temp = _create_temp(path, mode)
         if size_hint > 0:
             _preallocate(fd, size_hint)
         handle = AtomicFile(path, temp, fd)
@@ -123,20 +126,19 @@ def atomic_file(path: Path, *, mode: int | None = None, size_hint: int = 0, mtim
             os.fchmod(fd, chmod)
         if mtime_ns is not None:
             os.utime(fd, ns=(mtime_ns, mtime_ns))
-        os.close(fd)
-        fd = -1
+        fd, closing = -1, fd  # forgotten first: a signal after the close must not close the number again
+        os.close(closing)
         if batch is not None:
             batch.add(temp, path)
             return
         os.replace(temp, path)
         if sync_dir:
             fsync_dir(path.parent)
-    except OSError as exc:
-        _discard(fd, temp)
-        raise_if_disk_full(exc, path)
-        raise
-    except BaseException:
-        _discard(fd, temp)
+    except BaseException as exc:
+        if temp is not None:
+            _discard(fd, temp)
+        if isinstance(exc, OSError):
+            raise_if_disk_full(exc, path)
         raise
 
 
@@ -261,10 +263,12 @@ def _atomic_place(path: Path, make, sync_dir: bool = True) -> None:
         os.replace(temp, path)
         if sync_dir:
             fsync_dir(path.parent)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise_if_disk_full(exc, path)
+    except BaseException as exc:  # a signal too: the temp link is this run's to remove
+        if not isinstance(exc, FileExistsError):  # ...unless the name was taken: not ours
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+        if isinstance(exc, OSError):
+            raise_if_disk_full(exc, path)
         raise
 
 

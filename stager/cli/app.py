@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from stager.base import hints
+from stager.base import hints, interrupts
 from stager.cli import completion
 from stager.base.errors import EXIT_BAD_INPUT, BadInput, StageError, ending
 from stager.manifest import MAX_TP  # the manifest's bound on world, ranks and layers
@@ -140,6 +140,8 @@ class Signalled(BaseException):
 
 
 def _on_signal(signum: int, _frame) -> None:
+    if interrupts.held_back(signum):  # raised again as the block ends (see stager.base.interrupts)
+        return
     # A second signal while the first one's clean-up runs ends the process the default way.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
