@@ -10,13 +10,14 @@ mirror, which copies it from the NAS as `--transport nas` would.
 
 The rates are told in the manifest (`[fleet]`: nas_rate, nas_node_rate, relay_rate) or measured in
 the first second of the run, each only when it can change the choice (probe.py, in the agents):
-the links into each node while the agents plan (Ray's own transfer, one hop of a ring each); then
-the head reading the NAS alone, with what its cores could give a relay at most; then, only if the
-NAS alone is NAS_MARGIN times faster than the slowest hop known, every node reading it at once
-(and if direct reads then beat the most the broadcast could do, by the links so far or once they
-are in, nothing more is measured); then what each node's CPU gives a relay now, under its quota
-and load. So on the usual cluster, a NAS no faster than one link, the measures read the NAS once,
-PROBE_SHARE of the data (at least probe.PROBE_MIN), by the head.
+the links into each node after the head while the agents plan (Ray's own transfer, each node
+pulling from the one before it); then the head reading the NAS alone, with what its cores could
+give a relay at most; then, only if the NAS alone is NAS_MARGIN times faster than the slowest hop
+known, every node reading it at once (and if direct reads then beat the most the broadcast could
+do, by the links so far or once they are in, nothing more is measured); then what each node's CPU
+gives a relay now, under its quota and load. So on the usual cluster, a NAS no faster than one
+link, the measures read the NAS once, PROBE_SHARE of the data (at least probe.PROBE_MIN), by the
+head.
 """
 
 from __future__ import annotations
@@ -176,11 +177,14 @@ class Probes:
         self.link_rates: dict[str, float] = {}
         names = list(agents)
         if told.relay_rate is None and len(names) >= 2:
-            # A ring: each node pulls from the one before it (the head from the last), so every
-            # node's downlink and every node's uplink is measured once, all at the same time.
-            payloads = {name: [agents[name].probe_payload.remote() for _ in range(PAYLOAD_PIECES)] for name in names}
-            self.links = {agents[name].probe_pull.remote(payloads[names[index - 1]]): name
-                          for index, name in enumerate(names)}
+            # Each node after the head pulls from the one before it, all at the same time. The
+            # link into the head is no hop (the head reads the NAS): its pull, from the last node,
+            # measured nothing the choice uses, and on the lab's 2 cores it held the next node's
+            # first piece back 250 ms where it comes in 50 ms without it.
+            payloads = {name: [agents[name].probe_payload.remote() for _ in range(PAYLOAD_PIECES)]
+                        for name in names[:-1]}
+            self.links = {agents[name].probe_pull.remote(payloads[before]): name
+                          for before, name in zip(names, names[1:])}
             self._payloads = payloads
 
     def rates(self, groups: list[tuple[tuple[str, ...], tuple[Share, ...]]]) -> Rates:

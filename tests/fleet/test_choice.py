@@ -110,21 +110,26 @@ def test_once_the_links_show_direct_reads_win_no_cpu_is_measured():
               for name in NODES}
     probes = Probes(FakeRay(), agents, QuietWatch(), FleetConfig())
     rates = probes.rates(GROUP)
-    assert "cpu" not in asked and rates.cpu == {} and rates.link == dict.fromkeys(NODES, 25.0 * MB), (asked, rates)
+    assert "cpu" not in asked and rates.cpu == {} and rates.link == dict.fromkeys(NODES[1:], 25.0 * MB), (asked, rates)
     assert choose(GROUP, rates)[0].transport == "nas"
 
 
-def test_the_link_into_the_head_is_no_hop_and_a_slow_one_sends_no_node_to_the_nas():
-    """The usual cluster: the NAS alone gives the head what a link gives a node. The head's own
-    pull (from the last node of the ring) came in slow, as 8 agents starting on the lab's 2 cores
-    made it: it once counted as the chain's slowest hop, so every node read 2 % of the data from
-    the NAS to measure direct reads that could not win."""
-    asked: list[str] = []
-    agents = {name: _agent(nas=6 * MB, nas_alone=24 * MB, ceiling=1200 * MB, link=25.0 * MB, asked=asked)
+def test_the_link_into_the_head_is_no_hop_the_head_pulls_nothing_and_sends_no_node_to_the_nas():
+    """The usual cluster: the NAS alone gives the head what a link gives a node. The head once
+    pulled from the last node (a ring) and its pull came in slow, as 8 agents starting on the lab's
+    2 cores made it: it counted as the chain's slowest hop, so every node read 2 % of the data from
+    the NAS to measure direct reads that could not win. Now the head pulls nothing (on the 2-node
+    lab its pull held the next node's first piece back 250 ms), and the last node, which no node
+    pulls from, makes no payload."""
+    asked = {name: [] for name in NODES}
+    agents = {name: _agent(nas=6 * MB, nas_alone=24 * MB, ceiling=1200 * MB, link=25.0 * MB, asked=asked[name])
               for name in NODES}
-    agents["dgx1"] = _agent(nas=6 * MB, nas_alone=24 * MB, ceiling=1200 * MB, link=14.0 * MB, asked=asked)
+    agents["dgx1"] = _agent(nas=6 * MB, nas_alone=24 * MB, ceiling=1200 * MB, link=14.0 * MB, asked=asked["dgx1"])
     rates = Probes(FakeRay(), agents, QuietWatch(), FleetConfig()).rates(GROUP)
-    assert asked.count("nas") == 1 and rates.nas_each == {}, (asked, rates)
+    assert "pull" not in asked["dgx1"] and all("pull" in asked[name] for name in NODES[1:]), asked
+    assert "payload" not in asked[NODES[-1]] and all("payload" in asked[name] for name in NODES[:-1]), asked
+    assert sum(calls.count("nas") for calls in asked.values()) == 1 and rates.nas_each == {}, (asked, rates)
+    assert rates.link == dict.fromkeys(NODES[1:], 25.0 * MB)
     assert choose(GROUP, rates)[0].transport == "broadcast"
 
 
