@@ -237,12 +237,16 @@ class _Route:
         return self.total if progress.session is not None and progress.session > self.session.number else 0
 
     def _to_tail(self, name: str, running: set[str], now: float) -> None:
+        """The new order goes to every running node, the moved one too (a silent one is not
+        running): it takes its next chunk from the node now before it. Left out, a laggard went on
+        taking its chunks from its old upstream. After the trial move of a fast NAS's head (above)
+        that upstream was the head, whose uplink then carried every byte twice, to the moved node
+        and to the rest of the chain: 4 nodes on the lab's fast NAS took 93 s where 2 took 47."""
         self.quiet_until = now + REROUTE_GRACE
         self.chain = tuple(hop for hop in self.chain if hop[0] != name) + tuple(
             hop for hop in self.chain if hop[0] == name)
-        for other in running:
-            if other != name:
-                self.relays[other].reroute.remote(self.session.number, self.chain)
+        for node in running:
+            self.relays[node].reroute.remote(self.session.number, self.chain)
 
 
 def laggard(names: list[str], held: dict[str, int], rates: dict[str, float], peaks: dict[str, float],
