@@ -360,6 +360,12 @@ def run_fleet_mirror(lab: Lab, transport: str, nodes: list[Member], timeout: flo
             # node reading directly): their CPU is the NAS protocol's too, not a relay's alone.
             "from_nas": sorted(name for name, run in (report or {}).get("nodes", {}).items()
                                if run.get("nas_bytes") and not run.get("peer_bytes")),
+            # Why a node read the NAS instead of its peers, or did not finish: what a round that
+            # took longer than its peers needs to be explained afterwards.
+            "node_trouble": {name: {key: run[key] for key in ("status", "error", "fallbacks", "moved_to_tail")
+                                    if run.get(key) and run.get(key) != "ok"}
+                             for name, run in (report or {}).get("nodes", {}).items()
+                             if run.get("error") or run.get("fallbacks") or run.get("moved_to_tail")},
             "error": None if proc.returncode == 0 else err.strip().splitlines()[-3:]}
 
 

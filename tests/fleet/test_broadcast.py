@@ -426,6 +426,26 @@ def test_a_node_moved_to_the_tail_is_told_the_new_order_and_leaves_its_old_upstr
         assert route.moved, pace
 
 
+def test_a_node_moved_while_silent_is_told_the_order_once_it_answers_again():
+    """b answers nothing for a few seconds (less than liveness.SILENCE): it is moved to the tail
+    and c is rerouted onto a. A frozen b cannot be told; once it answers again it is, or it would
+    go on taking its chunks from a, whose uplink would then carry them to b and to c both."""
+    from stager.fleet.broadcast.chain import _Route
+
+    names = ["a", "b", "c", "d"]
+    route = _Route({name: _FakeRelay(Call()) for name in names},
+                   Session(0, (Share("blobs/x", "blobs/x", 64 * CHUNK),), tuple((n, "h", 0) for n in names)))
+    route.around({"b"}, {"a", "c", "d"})
+    assert [hop[0] for hop in route.chain] == ["a", "c", "d", "b"]
+    assert route.relays["c"].reroutes and not route.relays["b"].reroutes
+    route.around(set(), {"a", "c", "d"})  # still silent: nothing more
+    assert not route.relays["b"].reroutes
+    route.around(set(), set(names))  # b answers again
+    assert route.relays["b"].reroutes == [route.chain]
+    route.around(set(), set(names))  # told once
+    assert len(route.relays["b"].reroutes) == 1
+
+
 def test_a_relay_that_dies_is_moved_out_of_the_chain_at_once():
     """b dies (its run fails as Ray fails a dead actor's call) while c and d still receive: both
     are told at once of an order with b at the tail, and b is done with why. Left where it stood,

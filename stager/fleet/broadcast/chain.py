@@ -195,13 +195,21 @@ class _Route:
         self.peaks: dict[str, float] = {}  # each node's best receive rate so far, chunks per second
         self.head_tried = False  # a node was moved from right after the head (see above)
         self.after_head = 0.0  # the best rate a node right after the head has received at
+        self.untold: set[str] = set()  # moved while silent: told the order once it answers again
 
     def around(self, silent: set[str], answering: set[str]) -> None:
-        """Move each silent (or dead) node that a running, answering node still comes after to the tail."""
+        """Move each silent (or dead) node that a running, answering node still comes after to the
+        tail. One that answers again (silent for less than liveness.SILENCE) is told the order
+        then: it would go on taking its chunks from its old upstream, whose uplink then carries
+        them twice, to it and to the node rerouted onto that upstream in its place."""
+        for name in sorted(self.untold & answering):
+            self.untold.discard(name)
+            self.relays[name].reroute.remote(self.session.number, self.chain)
         for name in [name for name, _, _ in self.chain if name in silent]:
             names = [hop[0] for hop in self.chain]
             if answering & set(names[names.index(name) + 1:]):
                 self._to_tail(name, answering, time.monotonic())
+                self.untold.add(name)
 
     def check(self, running: set[str], watch: Watch) -> None:
         """The laggard rule, on the latest look every running node answered."""
