@@ -366,7 +366,8 @@ def run_fleet_mirror(lab: Lab, transport: str, nodes: list[Member], timeout: flo
                                     if run.get(key) and run.get(key) != "ok"}
                              for name, run in (report or {}).get("nodes", {}).items()
                              if run.get("error") or run.get("fallbacks") or run.get("moved_to_tail")},
-            "error": None if proc.returncode == 0 else err.strip().splitlines()[-3:]}
+            "error": None if proc.returncode == 0 else err.strip().splitlines()[-3:],
+            "stderr": err.strip().splitlines()[-40:] if proc.returncode or "warning" in err else []}
 
 
 # ---- the rounds ---------------------------------------------------------------------------------------
