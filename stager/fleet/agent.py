@@ -28,7 +28,8 @@ from typing import Callable
 from stager.base.errors import EXIT_OK, EXIT_PROBLEMS, ending
 from stager.fleet import probe
 from stager.fleet.broadcast.relay import Relay
-from stager.fleet.node import LABEL, LOCK_WAIT
+from stager.fleet.liveness import by_label
+from stager.fleet.node import LOCK_WAIT
 from stager.fleet.report import Progress
 
 
@@ -144,11 +145,13 @@ class NodeAgent:
 
 
 def start_agents(ray, manifest_path: str, names: list[str], seed: int, full: bool = False,
-                 bwlimit: int | None = None, streams: int | None = None) -> dict:
-    """An agent on each named node, pinned by its label. Creation returns at once; an agent that
-    cannot start shows when it is first called."""
+                 bwlimit: int | None = None, streams: int | None = None,
+                 where: Callable[[str], dict] = by_label) -> dict:
+    """An agent on each named node, pinned by `where` (its label, or its one live Ray node:
+    liveness.placements). Creation returns at once; an agent that cannot start shows when it is
+    first called."""
     actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=32)(NodeAgent)
-    return {name: actor.options(label_selector={LABEL: name}, name=f"stage fleet agent {name}").remote(
+    return {name: actor.options(**where(name), name=f"stage fleet agent {name}").remote(
         name, manifest_path, seed, full, bwlimit, streams) for name in names}
 
 

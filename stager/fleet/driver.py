@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 from stager.base.errors import BadInput
 from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
 from stager.fleet.live import Tracker
-from stager.fleet.liveness import LOOK_INTERVAL, SILENCE, Pings, Watch, gather, live_labels
+from stager.fleet.liveness import LOOK_INTERVAL, SILENCE, Pings, Watch, by_label, gather, live_labels, placements
 from stager.fleet.node import LABEL, LOCK_WAIT, node_argv, run_on_node
 from stager.fleet.options import (
     PruneOptions, bwlimit, choose_transport, mirror_options, parse_ports, prune_options, verify_options,
@@ -167,7 +167,7 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
     # One seed for the run: every node samples the same regions, so one node's sample serves all.
     watch = driver.watch_agents(start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32),
                                              full="--full" in driver.options, bwlimit=bwlimit(driver.options),
-                                             streams=streams))
+                                             streams=streams, where=driver.where))
     probes = Probes(driver.ray, driver.agents, watch, manifest.fleet) if driver.choosing else None
 
     def plan():
@@ -233,7 +233,8 @@ class Driver:
     def __post_init__(self):
         self.task = self.ray.remote(num_cpus=0, max_retries=0)(run_on_node)
         self.tracker = self.tracker or Tracker(self.ray, self.command, [])
-        self.pings = Pings(self.ray)
+        self.placement: dict[str, dict] = {}  # node -> the Ray options that run on it (liveness.placements)
+        self.pings = Pings(self.ray, self.where)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -244,12 +245,17 @@ class Driver:
         return max(1.0, self.left() - min(5.0, 0.1 * self.timeout))
 
     def present(self, names: list[str]) -> list[str]:
-        """The named nodes that have a live Ray node labelled for them; the others are unreachable."""
-        labelled = live_labels(self.ray)
+        """The named nodes that have a live Ray node labelled for them; the others are unreachable.
+        Where each runs is kept for the run (`where`)."""
+        self.placement = placements(self.ray)
         for name in names:
-            if name not in labelled:
+            if name not in self.placement:
                 self.runs[name] = unreachable(name, f"no live Ray node is labelled {LABEL}={name}")
-        return [name for name in names if name in labelled]
+        return [name for name in names if name in self.placement]
+
+    def where(self, node: str) -> dict:
+        """The Ray options that run a task or an agent on `node`."""
+        return self.placement.get(node) or by_label(node)
 
     def started(self) -> set[str]:
         """The nodes whose command was launched, or that were found unreachable or stalled."""
@@ -260,7 +266,7 @@ class Driver:
 
     def launch(self, node: str, source: str | None = None) -> None:
         argv = node_argv(self.manifest, self.command, node, source, self.options)
-        ref = self.task.options(label_selector={LABEL: node}, name=f"stage {self.command} {node}").remote(
+        ref = self.task.options(**self.where(node), name=f"stage {self.command} {node}").remote(
             argv, self.budget(), *self.tracker.task_args(node, place(self.manifest, source
                                                                      or self.manifest.source_for(node))))
         self.running[ref] = (node, source, None)

@@ -20,6 +20,7 @@ taken for slowness: that is the laggard rule's (broadcast/chain.py), by rate.
 from __future__ import annotations
 
 import math
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -42,9 +43,51 @@ START = 60.0
 KEPT_LOOKS = 4
 
 
+# How long the driver waits for a raylet to accept a connection, when two live Ray nodes claim one label.
+RAYLET_CONNECT = 1.0
+
+
 def live_labels(ray) -> set[str]:
     """The stage-node labels of the Ray nodes alive now."""
     return {node.get("Labels", {}).get(LABEL) for node in ray.nodes() if node.get("Alive")}
+
+
+def placements(ray) -> dict[str, dict]:
+    """For each stage-node label alive now, the Ray options (`.options(**...)`) that run a task or
+    an actor on it: its label. But a label two live Ray nodes claim is a node that came back (a
+    restarted raylet, a rebooted host) while the GCS still counts its old incarnation alive, until
+    its health check gives up (30 s by default, 300 s on the lab). Scheduled by label, an agent
+    landed on the old one, never ran, and its node read the whole data from the NAS beside the
+    head: the first run after a rejoin took 1.75x (docs/fleet-lab.md). Such a label is pinned to
+    the one of its Ray nodes whose raylet accepts a connection; to its label if not exactly one does."""
+    claims: dict[str, list[dict]] = {}
+    for node in ray.nodes():
+        label = node.get("Labels", {}).get(LABEL)
+        if node.get("Alive") and label:
+            claims.setdefault(label, []).append(node)
+    return {label: _placement(label, nodes) for label, nodes in claims.items()}
+
+
+def by_label(label: str) -> dict:
+    return {"label_selector": {LABEL: label}}
+
+
+def _placement(label: str, nodes: list[dict]) -> dict:
+    if len(nodes) > 1:
+        answering = [node for node in nodes if _raylet_answers(node)]
+        if len(answering) == 1:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(answering[0]["NodeID"], soft=False)}
+    return by_label(label)
+
+
+def _raylet_answers(node: dict) -> bool:
+    try:
+        with socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=RAYLET_CONNECT):
+            return True
+    except (OSError, KeyError, TypeError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -195,13 +238,14 @@ class Pings:
     is alive (only its agent died, and its node-local command can take the agent's part); one that
     does not is gone. Asked at once, not when the driver next collects."""
 
-    def __init__(self, ray):
+    def __init__(self, ray, where: Callable[[str], dict] = by_label):
         self.ray = ray
+        self.where = where  # a node's Ray options (placements)
         self.task = ray.remote(num_cpus=0, max_retries=0)(_nothing)
         self.asked: dict = {}  # ObjectRef -> (node, answer by (monotonic), why its agent died)
 
     def ask(self, node: str, why: str) -> None:
-        ref = self.task.options(label_selector={LABEL: node}, name=f"stage fleet ping {node}").remote()
+        ref = self.task.options(**self.where(node), name=f"stage fleet ping {node}").remote()
         self.asked[ref] = (node, time.monotonic() + SILENCE, why)
 
     def nodes(self) -> set[str]:

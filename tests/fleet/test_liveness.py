@@ -167,3 +167,44 @@ def test_answers_keep_the_order_asked_not_the_order_they_came():
     ray = _Backwards()
     answers = gather(ray, {"dgx1": "dgx1", "dgx2": "dgx2", "dgx3": "dgx3"}, Watch(ray, {}), time.monotonic() + 5)
     assert list(answers.items()) == [("dgx1", "plan of dgx1"), ("dgx2", "plan of dgx2"), ("dgx3", "plan of dgx3")]
+
+
+def test_a_label_two_live_ray_nodes_claim_is_pinned_to_the_one_whose_raylet_answers():
+    """A node that came back (a restarted raylet, a rebooted host) while the GCS still counts its
+    old incarnation alive: two live Ray nodes carry its label. Scheduled by label, an agent landed
+    on the old one and never ran (the lab's first run after a rejoin, 1.75x). The raylets are real
+    sockets here: the new one listens, the old one's port is closed."""
+    import socket
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from stager.fleet.liveness import placements
+    from stager.fleet.node import LABEL
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+
+    def node(node_id: str, label: str, port: int, alive: bool = True) -> dict:
+        return {"NodeID": node_id, "Alive": alive, "Labels": {LABEL: label}, "NodeManagerAddress": "127.0.0.1",
+                "NodeManagerPort": port}
+
+    old, new = "a" * 56, "b" * 56  # Ray's node ids: 28 bytes in hex
+    nodes = [node(old, "dgx4", closed_port), node(new, "dgx4", listening.getsockname()[1]),
+             node("c" * 56, "dgx1", closed_port), node("d" * 56, "dgx2", closed_port, alive=False)]
+    try:
+        placed = placements(SimpleNamespace(nodes=lambda: nodes))
+    finally:
+        listening.close()
+    assert set(placed) == {"dgx4", "dgx1"}  # a dead Ray node places nothing
+    strategy = placed["dgx4"]["scheduling_strategy"]
+    assert isinstance(strategy, NodeAffinitySchedulingStrategy) and strategy.node_id == new and not strategy.soft
+    # One Ray node for a label: by its label, as ever, and its raylet is not asked.
+    assert placed["dgx1"] == {"label_selector": {LABEL: "dgx1"}}
+    # Neither of two answers (or both do): by label, as before.
+    both_closed = [node(old, "dgx4", closed_port), node(new, "dgx4", closed_port)]
+    assert placements(SimpleNamespace(nodes=lambda: both_closed))["dgx4"] == {"label_selector": {LABEL: "dgx4"}}
