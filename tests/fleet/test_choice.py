@@ -133,6 +133,20 @@ def test_the_link_into_the_head_is_no_hop_the_head_pulls_nothing_and_sends_no_no
     assert choose(GROUP, rates)[0].transport == "broadcast"
 
 
+def test_one_link_measured_slow_sends_no_node_to_the_nas_on_a_usual_cluster():
+    """The lab's 100 Mbit/s links (12.5 MB/s), one measured at 8.4 while the agents started on 2
+    cores, the others at 12.5 and 14.9; the head read the NAS at 13.0 (CI). Against the slowest
+    link the NAS looked 1.55x faster and every node read 2 % of the data from it; against the
+    links' median it is no faster than the chain. A slow link's node is the laggard rule's."""
+    asked = {name: [] for name in NODES}
+    links = dict(zip(NODES, (12.5 * MB, 8.4 * MB, 14.9 * MB, 12.5 * MB)))
+    agents = {name: _agent(nas=4 * MB, nas_alone=13.0 * MB, ceiling=1200 * MB, link=links[name], asked=asked[name])
+              for name in NODES}
+    rates = Probes(FakeRay(), agents, QuietWatch(), FleetConfig()).rates(GROUP)
+    assert sum(calls.count("nas") for calls in asked.values()) == 1 and rates.nas_each == {}, (asked, rates)
+    assert choose(GROUP, rates)[0].transport == "broadcast"
+
+
 def test_a_nas_far_faster_than_the_links_so_far_is_read_by_every_node_once_the_second_piece_is_in():
     """The head's read of a fast NAS came out under 1.5x its cores' ceiling (an uncached read of a
     few MB is noisy), so the links decide; at the first look no pull had its second piece in. It
