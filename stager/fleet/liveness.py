@@ -49,7 +49,17 @@ RAYLET_CONNECT = 1.0
 
 def live_labels(ray) -> set[str]:
     """The stage-node labels of the Ray nodes alive now."""
-    return {node.get("Labels", {}).get(LABEL) for node in ray.nodes() if node.get("Alive")}
+    return set(_claims(ray))
+
+
+def _claims(ray) -> dict[str, list[dict]]:
+    """Each stage-node label alive now, and the live Ray nodes that carry it."""
+    claims: dict[str, list[dict]] = {}
+    for node in ray.nodes():
+        label = node.get("Labels", {}).get(LABEL)
+        if node.get("Alive") and label:
+            claims.setdefault(label, []).append(node)
+    return claims
 
 
 def placements(ray) -> dict[str, dict]:
@@ -60,12 +70,7 @@ def placements(ray) -> dict[str, dict]:
     landed on the old one, never ran, and its node read the whole data from the NAS beside the
     head: the first run after a rejoin took 1.75x (docs/fleet-lab.md). Such a label is pinned to
     the one of its Ray nodes whose raylet accepts a connection; to its label if not exactly one does."""
-    claims: dict[str, list[dict]] = {}
-    for node in ray.nodes():
-        label = node.get("Labels", {}).get(LABEL)
-        if node.get("Alive") and label:
-            claims.setdefault(label, []).append(node)
-    return {label: _placement(label, nodes) for label, nodes in claims.items()}
+    return {label: _placement(label, nodes) for label, nodes in _claims(ray).items()}
 
 
 def by_label(label: str) -> dict:
