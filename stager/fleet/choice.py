@@ -9,15 +9,15 @@ against S / the slowest node's direct rate. A group read directly is left to eac
 mirror, which copies it from the NAS as `--transport nas` would.
 
 The rates are told in the manifest (`[fleet]`: nas_rate, nas_node_rate, relay_rate) or measured in
-the first second of the run, each only when it can change the choice (probe.py, in the agents):
-the links into each node after the head while the agents plan (Ray's own transfer, each node
-pulling from the one before it); then the head reading the NAS alone, with what its cores could
-give a relay at most; then, only if the NAS alone is NAS_MARGIN times faster than the slowest hop
-known, every node reading it at once (and if direct reads then beat the most the broadcast could
-do, by the links so far or once they are in, nothing more is measured); then what each node's CPU
-gives a relay now, under its quota and load. So on the usual cluster, a NAS no faster than one
-link, the measures read the NAS once, PROBE_SHARE of the data (at least probe.PROBE_MIN), by the
-head.
+the first second of the run, each only when it can change the choice (probe.py, in the agents): the
+links into each node after the head while the agents plan (Ray's own transfer, each node pulling
+from the one before it); then the head reading the NAS alone, with what its cores could give a relay
+at most; then, only if the NAS alone is NAS_MARGIN times faster than what the chain carries as far
+as known (_pace), every node reading it at once (and if direct reads then beat the most the
+broadcast could do, by the links so far or once they are in, nothing more is measured); then what
+each node's CPU gives a relay now, under its quota and load. So on the usual cluster, a NAS no
+faster than one link, the measures read the NAS once, PROBE_SHARE of the data (at least
+probe.PROBE_MIN), by the head.
 """
 
 from __future__ import annotations
@@ -228,15 +228,15 @@ class Probes:
     def _nas_outruns(self, names: list[str], nas_alone: float, ceiling: dict[str, float]) -> bool:
         """Whether the NAS, read by the head alone, is NAS_MARGIN times faster than what the chain
         carries (_pace: the median of the links into the nodes after the head, at most the head's
-        cores): worth measuring with every node. The head's ceiling bounds the slowest hop from above, so a NAS NAS_MARGIN times faster
-        than it needs no link measured. Else by the links' pulls as far as they have come, looked at
-        every LINK_LOOK while they run, as soon as that is clear (HASTE_MARGIN), else once they are
-        done: on a NAS faster than the links, waiting for the last piece (half a second on the lab's
-        links) cost runs that direct reads take in three, and one look taken before the second piece
-        was in waited for all of them; a pull measured over two pieces is rough. The link into the
-        head is no hop: the head reads the NAS. Counted as one, a head whose pull was slowed by its
-        neighbours' start (8 agents starting on the lab's 2 cores) sent every node to read the NAS
-        on usual runs."""
+        cores): worth measuring with every node. The head's ceiling bounds the chain from above, so
+        a NAS NAS_MARGIN times faster than it needs no link measured. Else by the links' pulls as
+        far as they have come, looked at every LINK_LOOK while they run, as soon as that is clear
+        (HASTE_MARGIN), else once they are done: on a NAS faster than the links, waiting for the
+        last piece (half a second on the lab's links) cost runs that direct reads take in three, and
+        one look taken before the second piece was in waited for all of them; a pull measured over
+        two pieces is rough. The link into the head is no hop: the head reads the NAS. Counted as
+        one, a head whose pull was slowed by its neighbours' start (8 agents starting on the lab's 2
+        cores) sent every node to read the NAS on usual runs."""
         if ceiling and nas_alone > NAS_MARGIN * min(ceiling.values()):
             return True
         until = time.monotonic() + PROBE_WAIT
