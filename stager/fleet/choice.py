@@ -212,12 +212,12 @@ class Probes:
         if not nas_each and nas_alone is not None and self._nas_outruns(names, nas_alone, ceiling):
             nas_each, ceiling = self._nas_each(names, largest, data)
         # Direct reads that beat the most the broadcast could do need nothing more measured: by the
-        # links so far, then by the links measured (the CPU can only slow a chain).
-        for wait in (False, True) if nas_each else ():
-            upper = Rates(nas_alone=nas_alone, nas_each=nas_each, link=self._links(names, wait=wait), ceiling=ceiling,
-                          told=keys)
-            if _direct_wins(groups, upper):
-                return upper
+        # links so far, looked at while their pulls run (rough: HASTE_MARGIN times what they show),
+        # then by the links measured (the CPU can only slow a chain).
+        for links, done in self._links_as_they_come(names) if nas_each else ():
+            most = links if done else {name: HASTE_MARGIN * rate for name, rate in links.items()}
+            if _direct_wins(groups, Rates(nas_alone=nas_alone, nas_each=nas_each, link=most, ceiling=ceiling)):
+                return Rates(nas_alone=nas_alone, nas_each=nas_each, link=links, ceiling=ceiling, told=keys)
         link = self._links(names, wait=True)
         cpu = self._cpu(names)
         pace = _pace([rate for rate in (Rates(link=link, cpu=cpu).relay(name) for name in names[1:]) if rate], [])
@@ -239,18 +239,23 @@ class Probes:
         cores) sent every node to read the NAS on usual runs."""
         if ceiling and nas_alone > NAS_MARGIN * min(ceiling.values()):
             return True
-        until = time.monotonic() + PROBE_WAIT
-        while True:
-            pace = _pace(list(self._links(names[1:], wait=False).values()), list(ceiling.values()))
-            if pace is not None and nas_alone > HASTE_MARGIN * pace:
+        for links, done in self._links_as_they_come(names[1:]):
+            pace = _pace(list(links.values()), list(ceiling.values()))
+            if pace is not None and nas_alone > (NAS_MARGIN if done else HASTE_MARGIN) * pace:
                 return True
-            if not self.links or time.monotonic() >= until:
-                break
+        return False
+
+    def _links_as_they_come(self, names: list[str]):
+        """The links into `names` as (rates, done): at each look while their pulls run (every
+        LINK_LOOK, rates so far), then once they are done or PROBE_WAIT has passed. A caller that
+        has what it needs stops asking."""
+        until = time.monotonic() + PROBE_WAIT
+        while self.links and time.monotonic() < until:
+            yield self._links(names, wait=False), False
             _, running = self.ray.wait(list(self.links), num_returns=len(self.links), timeout=LINK_LOOK)
             if not running:
                 break
-        pace = _pace(list(self._links(names[1:], wait=True).values()), list(ceiling.values()))
-        return pace is not None and nas_alone > NAS_MARGIN * pace
+        yield self._links(names, wait=True), True
 
     def _links(self, names: list[str], wait: bool) -> dict[str, float]:
         """Each node's link from the one before it: told, or as measured; unless `wait`, a pull

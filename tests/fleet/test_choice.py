@@ -159,6 +159,33 @@ def test_a_nas_far_faster_than_the_links_so_far_is_read_by_every_node_once_the_s
     assert rates.nas_each == dict.fromkeys(NODES, 1500 * MB), rates
 
 
+def test_direct_reads_far_ahead_of_the_links_so_far_are_chosen_without_waiting_for_the_pulls_to_end():
+    """Every node reads the NAS at 800 MB/s; the head's cores could relay 1.2 GB/s, so the broadcast
+    could win until a link shows. The choice once looked at the links once, before any pull had its
+    second piece in, then waited for every piece (0.19 s of a 2.8 s run on the 2-node fast-NAS lab;
+    here the pulls never end: PROBE_WAIT). It now looks while they run: 25 MB/s so far, even taken
+    3 times over, leaves direct reads far ahead."""
+    asked: list[str] = []
+    agents = {name: _agent(nas=800 * MB, nas_alone=2000 * MB, ceiling=1200 * MB, asked=asked, so_far=(None, 25.0 * MB))
+              for name in NODES}
+    started = time.monotonic()
+    rates = Probes(FakeRay(), agents, QuietWatch(), FleetConfig()).rates(GROUP)
+    assert time.monotonic() - started < 1.0
+    assert "cpu" not in asked and rates.link == dict.fromkeys(NODES[1:], 25.0 * MB), (asked, rates)
+    assert choose(GROUP, rates)[0].transport == "nas"
+
+
+def test_links_so_far_only_a_little_behind_direct_reads_wait_for_the_pulls_to_end():
+    """Direct reads at 60 MB/s a node; the links' pulls show 25 MB/s after their first pieces (a pull
+    is slow to start) and end at 100 MB/s. A rough rate decides only by HASTE_MARGIN: taken at its
+    word, the first look once sent every node to the NAS where the chain is faster."""
+    agents = {name: _agent(nas=60 * MB, nas_alone=2000 * MB, ceiling=1200 * MB, link=100.0 * MB, so_far=(25.0 * MB,))
+              for name in NODES}
+    rates = Probes(FakeRay(), agents, QuietWatch(), FleetConfig()).rates(GROUP)
+    assert rates.link == dict.fromkeys(NODES[1:], 100.0 * MB), rates
+    assert choose(GROUP, rates)[0].transport == "broadcast"
+
+
 def test_the_table_and_the_json_say_what_was_chosen_and_the_rates_behind_it():
     from stager.fleet.choice import Choice
 
