@@ -166,6 +166,37 @@ def test_reads_are_exact_and_many_readers_share_the_connections(nas, sshd, tmp_p
         source.open("link", uncached=True)  # readers never follow links: the walk resolves them
 
 
+def test_a_source_starts_one_sftp_server_until_two_readers_need_two(sshd, tmp_path):
+    """Opening a source and reading a file start one sftp-server on the server: the session fsspec
+    opens with the connection is the first the source lends, with the window and packets its reads
+    need. It once opened a second beside it at once (a shell and a subsystem started on the NAS by
+    every node of a fleet run)."""
+    from stager.sources.sftp import PACKET_BYTES, WINDOW_BYTES
+
+    def started() -> int:
+        return sshd.sftp_log.read_text().count("session opened for local user")
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "f").write_bytes(pseudo_random(7, MiB))
+    before = started()
+    source = open_source(sshd.url(hub), {})
+    reader = source.open("f", uncached=True)
+    assert reader.pread(MiB, 0) == pseudo_random(7, MiB)
+    reader.close()
+    assert started() - before == 1
+    session = source._sessions.take()
+    try:
+        assert (session.get_channel().in_window_size, session.get_channel().in_max_packet_size) == (
+            WINDOW_BYTES, PACKET_BYTES)
+        second = source.open("f", uncached=True)  # while the first session is lent: a second one
+        assert second.pread(10, 5) == pseudo_random(7, MiB)[5:15]
+        second.close()
+    finally:
+        source._sessions.give(session)
+    assert started() - before == 2
+
+
 def test_a_sequential_reader_asks_ahead_and_a_read_elsewhere_drops_what_it_asked(sshd, tmp_path):
     """A sequential reader keeps requests in flight past each read, so the pipe does not run dry
     between reads; reads of odd lengths get exactly their bytes from answers that straddle them;
