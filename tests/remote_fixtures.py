@@ -73,9 +73,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_sshd(workdir: Path, read_cap: int | None = None) -> SshServer:
+def start_sshd(workdir: Path, read_cap: int | None = None, max_sessions: int = 10) -> SshServer:
     """A real sshd with throw-away keys. `read_cap`: its sftp-server answers no read with more
-    than that many bytes (an older or stricter server), through SFTP_READ_CAP's filter."""
+    than that many bytes (an older or stricter server), through SFTP_READ_CAP's filter.
+    `max_sessions`: sessions it allows per connection (OpenSSH's MaxSessions, 10 by default)."""
     sshd = shutil.which("sshd") or "/usr/sbin/sshd"
     sftp_server = next((p for p in SFTP_SERVERS if os.path.exists(p)), None)
     if not os.path.exists(sshd) or sftp_server is None:
@@ -108,6 +109,7 @@ StrictModes no
 UsePAM no
 UseDNS no
 MaxStartups 200
+MaxSessions {max_sessions}
 LogLevel VERBOSE
 Subsystem sftp {subsystem}
 """)

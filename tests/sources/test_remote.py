@@ -197,6 +197,31 @@ def test_a_source_starts_one_sftp_server_until_two_readers_need_two(sshd, tmp_pa
     assert started() - before == 2
 
 
+def test_a_server_that_allows_one_session_per_connection_gets_a_connection_per_reader(tmp_path, monkeypatch):
+    """OpenSSH with MaxSessions 1: fsspec's session is the connection's only one. The source once
+    opened a second beside it at once and, refused, gave up ("the server refuses SFTP sessions");
+    now three readers at once read on three connections, every byte right."""
+    single = start_sshd(tmp_path / "single-sshd", max_sessions=1)
+    try:
+        for key, value in single.env.items():
+            monkeypatch.setenv(key, value)
+        hub = tmp_path / "hub"
+        hub.mkdir()
+        for i in range(3):
+            (hub / f"f{i}").write_bytes(pseudo_random(20 + i, MiB + i))
+        source = open_source(single.url(hub), {})
+        readers = [source.open(f"f{i}", uncached=True) for i in range(3)]
+        try:
+            for i, reader in enumerate(readers):
+                assert reader.pread(MiB + 10, 0) == pseudo_random(20 + i, MiB + i)
+        finally:
+            for reader in readers:
+                reader.close()
+        assert len(single.session_pids()) >= 3
+    finally:
+        single.stop()
+
+
 def test_a_sequential_reader_asks_ahead_and_a_read_elsewhere_drops_what_it_asked(sshd, tmp_path):
     """A sequential reader keeps requests in flight past each read, so the pipe does not run dry
     between reads; reads of odd lengths get exactly their bytes from answers that straddle them;
