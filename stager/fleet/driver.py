@@ -31,7 +31,8 @@ from stager.fleet.live import Tracker
 from stager.fleet.liveness import LOOK_INTERVAL, SILENCE, Pings, Watch, by_label, gather, live_labels, placements
 from stager.fleet.node import LABEL, LOCK_WAIT, node_argv, run_on_node
 from stager.fleet.options import (
-    PruneOptions, bwlimit, choose_transport, mirror_options, parse_ports, prune_options, verify_options,
+    BroadcastOptions, PruneOptions, broadcast_options, choose_transport, mirror_options, prune_options,
+    verify_options,
 )
 from stager.fleet.report import NAS, Delivery, FleetReport, NodeRun, from_answer, stalled, unreachable
 from stager.manifest import Manifest
@@ -59,11 +60,7 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     choosing = transport is None and not fan_out
     told = transport is not None or fan_out
     transport = choose_transport(manifest, command, names, fan_out, transport)
-    port_range = parse_ports(ports)
-    if port_range and transport != "broadcast":
-        raise BadInput("--ports applies to the broadcast transport only (stage fleet mirror)")
-    if streams is not None and transport != "broadcast":
-        raise BadInput("--streams applies to the broadcast transport only (stage fleet mirror)")
+    told_broadcast = broadcast_options(transport, ports, streams, full, bwlimit)
     options = verify_options(command, full, subset) + prune_options(command, prune) + mirror_options(
         command, bwlimit)
     ray = import_ray()
@@ -75,9 +72,8 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     # Ray prints what its raylets report (a worker killed, ...) on this process's stdout, where
     # --json promises one object: while Ray is up, whatever it prints goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-        address, auth, runs, delivered, choice = _run(ray, manifest, command, names, transport, port_range, options,
-                                                      started, timeout, allow_unauthenticated, choosing, tracker,
-                                                      streams)
+        address, auth, runs, delivered, choice = _run(ray, manifest, command, names, transport, told_broadcast, options,
+                                                      started, timeout, allow_unauthenticated, choosing, tracker)
     if choice is not None:
         transport = choice.transport
     if transport is not None:
@@ -88,8 +84,8 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
 
 
 def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str | None,
-         port_range: tuple[int, int] | None, options: tuple[str, ...], started: float, timeout: float,
-         allow_unauthenticated: bool, choosing: bool, tracker: Tracker, streams: int | None):
+         told_broadcast: BroadcastOptions, options: tuple[str, ...], started: float, timeout: float,
+         allow_unauthenticated: bool, choosing: bool, tracker: Tracker):
     address, auth = connect(ray, min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
     delivered: dict[str, dict] = {}
     try:
@@ -101,7 +97,7 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
         elif transport == "broadcast":
             driver.options = ("--wait", f"{LOCK_WAIT:g}", *options)
             driver.choosing = choosing
-            delivered = broadcast_shared(driver, names, port_range, streams)
+            delivered = broadcast_shared(driver, names, told_broadcast)
             runs = driver.all_at_once([name for name in names if name not in driver.started()])
             for name, why in driver.replaced.items():
                 got = delivered.setdefault(name, {})
@@ -137,13 +133,12 @@ def place(manifest: Manifest, url: str | None) -> str | None:
                 url)
 
 
-def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] | None,
-                     streams: int | None = None) -> dict[str, dict]:
+def broadcast_shared(driver: "Driver", names: list[str], told: BroadcastOptions) -> dict[str, dict]:
     """The files two or more nodes need, moved by the broadcast. Each node that can take part gets
     an agent (agent.py) that opens its relay while it makes the node's plan (a dry run), and runs
     the node's closing mirror as soon as the relay has received its last file; the other nodes
     run their own mirror at once. The broadcast gets the deadline less a share kept for the
-    closing mirrors. `streams` (--streams): connections per hop, else the manifest's or each node's."""
+    closing mirrors. `told`: the ports, streams, --full and --bwlimit the agents take."""
     from stager.fleet.agent import start_agents
     from stager.fleet.broadcast.chain import broadcast
     from stager.fleet.choice import Choice, Probes, choose
@@ -166,8 +161,8 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
             driver.launch(name)
     # One seed for the run: every node samples the same regions, so one node's sample serves all.
     watch = driver.watch_agents(start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32),
-                                             full="--full" in driver.options, bwlimit=bwlimit(driver.options),
-                                             streams=streams, where=driver.where))
+                                             full=told.full, bwlimit=told.bwlimit, streams=told.streams,
+                                             where=driver.where))
     probes = Probes(driver.ray, driver.agents, watch, manifest.fleet) if driver.choosing else None
 
     def plan():
@@ -184,7 +179,7 @@ def broadcast_shared(driver: "Driver", names: list[str], ports: tuple[int, int] 
     reserve = min(300.0, 0.3 * driver.timeout)
     # Each node's closing mirror starts as soon as its relay has its last file: a slow node at the
     # chain's tail once held back every other node's refs until it was done.
-    return broadcast(driver.ray, manifest, driver.agents, plan, deadline=driver.deadline - reserve, ports=ports,
+    return broadcast(driver.ray, manifest, driver.agents, plan, deadline=driver.deadline - reserve, ports=told.ports,
                      done=driver.finish, watch=watch)
 
 

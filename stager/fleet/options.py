@@ -46,6 +46,31 @@ def choose_transport(manifest: Manifest, command: str, names: list[str], fan_out
     return chosen or ("broadcast" if len(addressed) >= 2 else "nas")
 
 
+@dataclass(frozen=True)
+class BroadcastOptions:
+    """What the broadcast's agents are told, checked once on the driver: the ports their relays may
+    listen on, their streams per hop, --full, and --bwlimit in bytes per second (agent.NodeAgent)."""
+
+    ports: tuple[int, int] | None = None
+    streams: int | None = None
+    full: bool = False
+    bwlimit: int | None = None
+
+
+def broadcast_options(transport: str | None, ports: str | None, streams: int | None, full: bool,
+                      bwlimit: str | None) -> BroadcastOptions:
+    """--ports and --streams apply to the broadcast only; --full and --bwlimit to every mirror
+    (mirror_options, verify_options), the broadcast's agents included."""
+    port_range = parse_ports(ports)
+    if port_range and transport != "broadcast":
+        raise BadInput("--ports applies to the broadcast transport only (stage fleet mirror)")
+    if streams is not None and transport != "broadcast":
+        raise BadInput("--streams applies to the broadcast transport only (stage fleet mirror)")
+    from stager.base.units import parse_rate
+
+    return BroadcastOptions(port_range, streams, full, parse_rate(bwlimit) if bwlimit is not None else None)
+
+
 def parse_ports(ports: str | None) -> tuple[int, int] | None:
     """--ports LOW-HIGH: the TCP ports a relay may listen on (the first free one is taken)."""
     if ports is None:
@@ -60,16 +85,9 @@ def parse_ports(ports: str | None) -> tuple[int, int] | None:
     return chosen
 
 
-def bwlimit(options: tuple[str, ...]) -> int | None:
-    """The --bwlimit of the nodes' options, in bytes per second, for the broadcast's agents."""
-    from stager.base.units import parse_rate
-
-    return parse_rate(options[options.index("--bwlimit") + 1]) if "--bwlimit" in options else None
-
-
 def mirror_options(command: str, bwlimit: str | None) -> tuple[str, ...]:
     """`--bwlimit RATE` for each node's `stage mirror`: each node reads at most RATE from its
-    sources. A broadcast node's agent takes the same option (driver.broadcast_shared): RATE for
+    sources. A broadcast node's agent takes the same option (BroadcastOptions): RATE for
     what it reads from the NAS, and RATE for what its relay sends its peers."""
     if bwlimit is None:
         return ()
@@ -81,7 +99,7 @@ def mirror_options(command: str, bwlimit: str | None) -> tuple[str, ...]:
 def verify_options(command: str, full: bool, subset: str | None) -> tuple[str, ...]:
     """`--full` and `--subset N/T` for each node's `stage verify`, checked once here so a typo is
     one exit 2 rather than one per node; and `--full` for each node's `stage mirror` (every byte
-    checked against its content name; the broadcast's agents take it from these options too)."""
+    checked against its content name; the broadcast's agents are told it in BroadcastOptions)."""
     if not full and subset is None:
         return ()
     if command == "mirror" and subset is None:
