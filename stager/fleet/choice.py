@@ -186,7 +186,6 @@ class Probes:
     def __init__(self, ray, agents: dict, watch: Watch, told: FleetConfig):
         self.ray, self.agents, self.watch, self.told = ray, agents, watch, told
         self.links: dict = {}  # the link probes still out: ObjectRef -> the node pulling
-        self.cpu_asked: dict = {}  # the CPU measures asked for before they were needed: node -> ObjectRef
         self.link_rates: dict[str, float] = {}
         names = list(agents)
         if told.relay_rate is None and len(names) >= 2:
@@ -219,9 +218,8 @@ class Probes:
             most = links if done else {name: HASTE_MARGIN * rate for name, rate in links.items()}
             if _direct_wins(groups, Rates(nas_alone=nas_alone, nas_each=nas_each, link=most, ceiling=ceiling)):
                 return Rates(nas_alone=nas_alone, nas_each=nas_each, link=links, ceiling=ceiling, told=keys)
-        asked_cpu = self.cpu_asked or self._ask_cpu(names)
         link = self._links(names, wait=True)
-        cpu = self._ask(asked_cpu)
+        cpu = self._cpu(names)
         pace = _pace([rate for rate in (Rates(link=link, cpu=cpu).relay(name) for name in names[1:]) if rate], [])
         if not nas_each and nas_alone is not None and pace is not None and nas_alone > NAS_MARGIN * pace:
             nas_each, ceiling = self._nas_each(names, largest, data)  # the CPU, not the link, holds the chain back
@@ -245,11 +243,6 @@ class Probes:
             pace = _pace(list(links.values()), list(ceiling.values()))
             if pace is not None and nas_alone > (NAS_MARGIN if done else HASTE_MARGIN) * pace:
                 return True
-            if not done and not self.cpu_asked and pace is not None and nas_alone <= NAS_MARGIN * pace:
-                # A pull's rate so far runs low (it is slow to start): the NAS will not outrun the
-                # chain, and the CPU will be measured next. It is measured now, while the last
-                # pieces come in; one after the other, the two cost the usual run 0.2 s more.
-                self.cpu_asked = self._ask_cpu(names)
         return False
 
     def _links_as_they_come(self, names: list[str]):
@@ -302,11 +295,10 @@ class Probes:
         return ({name: rate for name, (rate, _) in answers.items()},
                 {name: ceiling for name, (_, ceiling) in answers.items()})
 
-    def _ask_cpu(self, names: list[str]) -> dict:
-        """Each node's CPU measure, asked for (its answer is _ask's); none with relay_rate told."""
+    def _cpu(self, names: list[str]) -> dict[str, float]:
         if self.told.relay_rate is not None:
             return {}
-        return {name: self.agents[name].probe_cpu.remote() for name in names}
+        return self._ask({name: self.agents[name].probe_cpu.remote() for name in names})
 
     def _ask(self, calls: dict) -> dict:
         """Each node's answer, those that came within PROBE_WAIT and did not fail."""

@@ -186,34 +186,6 @@ def test_links_so_far_only_a_little_behind_direct_reads_wait_for_the_pulls_to_en
     assert choose(GROUP, rates)[0].transport == "broadcast"
 
 
-def test_on_the_usual_cluster_the_cpu_is_measured_while_the_links_last_pieces_come_in(monkeypatch):
-    """The NAS alone at 24 MB/s, the links at 25 MB/s so far: the NAS will not outrun the chain, and
-    the CPU's measure comes next whatever the links' last pieces say. It once waited for them first
-    (0.2 s more on every usual run); here the pulls never end, and the CPU is asked for at the first
-    look that shows a rate, long before the links are given up on."""
-    import stager.fleet.choice as choice
-
-    monkeypatch.setattr(choice, "PROBE_WAIT", 0.4)
-    asked_at: dict[str, float] = {}
-
-    def agent(name: str) -> SimpleNamespace:
-        node = _agent(nas=6 * MB, nas_alone=24 * MB, ceiling=1200 * MB, so_far=(None, 25.0 * MB))
-
-        def cpu() -> Call:
-            asked_at[name] = time.monotonic()
-            return Call(400.0 * MB, ready=True)
-
-        node.probe_cpu = SimpleNamespace(remote=cpu)
-        return node
-
-    started = time.monotonic()
-    rates = Probes(FakeRay(), {name: agent(name) for name in NODES}, QuietWatch(), FleetConfig()).rates(GROUP)
-    assert time.monotonic() - started >= 0.4
-    assert set(asked_at) == set(NODES) and max(asked_at.values()) - started < 0.2, asked_at
-    assert rates.cpu == dict.fromkeys(NODES, 400.0 * MB) and rates.nas_each == {}, rates
-    assert choose(GROUP, rates)[0].transport == "broadcast"
-
-
 def test_the_table_and_the_json_say_what_was_chosen_and_the_rates_behind_it():
     from stager.fleet.choice import Choice
 
