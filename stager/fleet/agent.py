@@ -19,6 +19,7 @@ a plain Ray task (driver.py): whatever fails falls back to the NAS for that node
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -149,9 +150,12 @@ def start_agents(ray, manifest_path: str, names: list[str], seed: int, full: boo
                  where: Callable[[str], dict] = by_label) -> dict:
     """An agent on each named node, pinned by `where` (its label, or its one live Ray node:
     liveness.placements). Creation returns at once; an agent that cannot start shows when it is
-    first called."""
+    first called. Its Ray name says its node and its run: named by the node alone, a second run on
+    the cluster (another hub, or a run started while the last one's agents were being ended) was
+    refused by Ray, the name taken."""
     actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=32)(NodeAgent)
-    return {name: actor.options(**where(name), name=f"stage fleet agent {name}").remote(
+    run = f"{os.getpid()}-{time.time_ns()}"
+    return {name: actor.options(**where(name), name=f"stage fleet agent {name} {run}").remote(
         name, manifest_path, seed, full, bwlimit, streams) for name in names}
 
 

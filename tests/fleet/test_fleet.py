@@ -443,6 +443,37 @@ def test_broadcast_stages_every_node_reading_the_nas_once(broadcast_run, staged,
           f"(every node reading it: {staged['nas_bytes']}), {broadcast_run['seconds']:.1f}s")
 
 
+def test_two_broadcasts_at_once_on_one_cluster_each_stage_their_own_hubs(cluster, staged, nas, sshd, tmp_path):
+    """Two runs at the same time on one Ray cluster, each for its own hubs (two operators, two
+    manifests): each run's agents are its own. Named by their node alone, the second run's agents
+    were refused by Ray (ActorAlreadyExistsError, the name taken), as they would be for a run
+    started while the last one's agents were still being ended."""
+    import threading
+
+    roots = [tmp_path / f"run{i}" for i in range(2)]
+    manifests = []
+    for root in roots:
+        root.mkdir()
+        manifests.append(fleet_manifest(root / "cluster.toml", nas, root, sshd, nas_hub=staged["nas_url"]))
+    results: list = [None, None]
+
+    def run(index: int) -> None:
+        results[index], _ = fleet("mirror", "--transport", "broadcast", "--json", "--timeout", "120", "--manifest",
+                                  manifests[index], timeout=180)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for root, result in zip(roots, results):
+        assert result.code == 0, result.stderr + result.stdout
+        assert result.json["transport"] == "broadcast"
+        for name in NODES:
+            assert result.json["nodes"][name]["report"]["problems"] == [], result.json["nodes"][name]
+            assert_staged_like_the_nas(root / name / "hub", nas)
+
+
 def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memory(cluster, staged, nas, sshd,
                                                                                    tmp_path, monkeypatch):
     """dgx2 already holds everything but one shard: it receives that shard only, and no chain
