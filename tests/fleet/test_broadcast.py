@@ -676,3 +676,20 @@ def test_a_relay_sends_at_most_its_send_limit_over_all_its_streams(tmp_path, str
           f"{took[True]:.2f} s at 8 MiB/s ({total / rate:.2f} s expected)")
     assert 0.9 * total / rate <= took[True] <= 1.1 * total / rate, took
     assert took[False] < 0.5 * took[True], took
+
+
+def test_a_relay_that_could_not_start_is_reported_in_the_node_local_commands_words():
+    """Ray's text for an actor call that raised ends with the class's path. A relay whose hub was
+    locked by another run was reported as "relay did not start: stager.base.errors.CannotRun: local
+    hub ... is locked ..."; it says what `stage mirror` says. Other errors keep Ray's last line."""
+    from ray.exceptions import RayTaskError
+
+    from stager.base.errors import CannotRun
+    from stager.fleet.broadcast.chain import _last_line
+
+    locked = CannotRun("local hub /nvme/hub is locked by another stage process (pid 7)")
+    trace = "Traceback (most recent call last):\n  ...\nstager.base.errors.CannotRun: " + locked.message
+    raised = RayTaskError("NodeAgent.open", trace, locked)
+    assert _last_line(raised) == _last_line(raised.as_instanceof_cause()) == locked.message
+    other = RayTaskError("NodeAgent.open", "Traceback ...\nOSError: [Errno 98] Address in use", OSError(98, "x"))
+    assert _last_line(other) == "OSError: [Errno 98] Address in use"

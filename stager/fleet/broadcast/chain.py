@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from stager.base.errors import StageError
 from stager.fleet.broadcast.keys import mint
 from stager.fleet.broadcast.relay import Session, Share, chunks_in
 from stager.fleet.liveness import START, Watch, gather
@@ -284,5 +285,11 @@ def _release(ray, relays: dict, stats: dict[str, dict], watch: Watch) -> None:
 
 
 def _last_line(exc: BaseException) -> str:
+    """One line for what a relay's call raised: a stage error's own message, as the node-local
+    command prints it (Ray's text ends with its class's path: "stager.base.errors.CannotRun: ...");
+    else the last line of Ray's text."""
+    cause = exc if isinstance(exc, StageError) else getattr(exc, "cause", None)
+    if isinstance(cause, StageError):
+        return cause.message
     text = str(exc).strip()
     return text.splitlines()[-1] if text else type(exc).__name__
