@@ -14,6 +14,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Every Ray the suite starts stays on loopback, and so does every Ray client in a test process.
+# Ray reads this once, when it is first imported in a process: whichever test imported it first
+# (for one of its exception classes, say) would otherwise decide, for every later test on that
+# worker, whether "127.0.0.1" means loopback or this host's address. The namespace lab sets its
+# own for the processes it starts.
+RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+os.environ.update(RAY_LOOPBACK)
 sys.path[:0] = [str(REPO / "scripts"), str(REPO / "scripts" / "lab")]
 
 from hubgen import Hub  # noqa: E402

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import open_files, run_stage, sha256_file
+from conftest import RAY_LOOPBACK, open_files, run_stage, sha256_file
 from hubgen import Hub, random_safetensors
 from remote_fixtures import SshServer, hub_tree, load_offline, silent_port
 from stager.fleet import LABEL
@@ -35,9 +35,6 @@ FLASH = "acme/Flash-3bpw"
 DRAFTER = "acme/Flash-drafter"
 MiB = 1024 * 1024
 NODES = ("dgx1", "dgx2", "dgx3")
-# Without the first, Ray binds to and connects through the host's network interface instead of
-# loopback; the second keeps it from reporting usage statistics to the Ray project.
-RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 # Shard size for the fan-out measurement; raise it to measure at a realistic ratio of data to samples.
 FANOUT_MIB = int(os.environ.get("STAGE_TEST_FANOUT_MIB", "4"))
 
@@ -474,15 +471,34 @@ def test_two_broadcasts_at_once_on_one_cluster_each_stage_their_own_hubs(cluster
             assert_staged_like_the_nas(root / name / "hub", nas)
 
 
-def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memory(cluster, staged, nas, sshd,
-                                                                                   tmp_path, monkeypatch):
-    """dgx2 already holds everything but one shard: it receives that shard only, and no chain
-    waits for it on the rest. The run's key (made known to this test by wrapping the driver's
-    mint) is never in any process's argv or environment during the run, nor in a file after it."""
-    from stager.fleet import run_fleet
-    from stager.fleet.broadcast import chain
-    from stager.manifest import load_manifest
+# A driver of its own, not one in the test process: Ray takes its settings (loopback, the auth
+# mode, the token) from the environment of the moment a process first imports it, and a test on
+# this worker may have imported it before the cluster's environment was set. The key goes to the
+# test on a pipe (argv[2]): never in a file, an argument or the environment.
+DRIVER_TELLING_ITS_KEY = r"""
+import json, os, sys
+from stager.fleet import run_fleet
+from stager.fleet.broadcast import chain
+from stager.manifest import load_manifest
 
+minted_by_chain = chain.mint
+
+def told_mint():
+    minted = minted_by_chain()
+    os.write(int(sys.argv[2]), minted[0].hex().encode() + b"\n")
+    return minted
+
+chain.mint = told_mint
+report = run_fleet(load_manifest(sys.argv[1]), "mirror", None, timeout=120, transport="broadcast")
+print(json.dumps(report.to_json()))
+"""
+
+
+def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memory(cluster, staged, nas, sshd,
+                                                                                   tmp_path):
+    """dgx2 already holds everything but one shard: it receives that shard only, and no chain
+    waits for it on the rest. The run's key (told to this test by the driver on a pipe) is never
+    in any process's argv or environment during the run, nor in a file after it."""
     manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
     assert run_stage("mirror", "--node", "dgx2", "--manifest", manifest).code == 0
     shard = nas["snaps"][FLASH].dir / "model-00002-of-00002.safetensors"
@@ -490,20 +506,16 @@ def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memo
     shard_size = blob.stat().st_size
     blob.unlink()
 
-    minted = []
-
-    def remembered_mint():
-        minted.append(chain_mint())
-        return minted[-1]
-
-    chain_mint = chain.mint
-    monkeypatch.setattr(chain, "mint", remembered_mint)
-    scans, leaks, stop = [0], [], threading.Event()
+    minted, scans, leaks = [], [0], []
+    told, telling = os.pipe()
 
     def scan_processes():
-        while not stop.is_set():
-            if minted:
-                needles = (minted[0][0], minted[0][0].hex().encode())
+        with os.fdopen(told, "rb") as pipe:
+            line = pipe.readline().strip()
+            if line:
+                minted.append(bytes.fromhex(line.decode()))
+            needles = (minted[0], minted[0].hex().encode()) if minted else ()
+            while needles:
                 for pid in filter(str.isdigit, os.listdir("/proc")):
                     for part in ("cmdline", "environ"):
                         try:
@@ -512,15 +524,19 @@ def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memo
                             continue
                         leaks.extend(f"/proc/{pid}/{part}" for needle in needles if needle in text)
                 scans[0] += 1
-            time.sleep(0.05)
+                if driver.poll() is not None:
+                    break
+                time.sleep(0.05)
 
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER_TELLING_ITS_KEY, str(manifest), str(telling)],
+                              pass_fds=(telling,), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(telling)
     scanner = threading.Thread(target=scan_processes, daemon=True)
     scanner.start()
-    try:
-        report = run_fleet(load_manifest(manifest), "mirror", None, timeout=120, transport="broadcast").to_json()
-    finally:
-        stop.set()
-        scanner.join()
+    out, err = driver.communicate(timeout=180)
+    scanner.join()
+    assert driver.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
     assert report["exit_code"] == 0 and report["transport"] == "broadcast", report
     data = staged["result"].json["nodes"]["dgx1"]["bytes"]
     nodes = report["nodes"]
@@ -530,7 +546,7 @@ def test_a_node_holding_a_blob_receives_none_of_it_and_the_key_never_leaves_memo
     for name in NODES:
         assert_staged_like_the_nas(tmp_path / name / "hub", nas)
     assert len(minted) == 1 and scans[0] > 0 and leaks == []
-    key = minted[0][0]
+    key = minted[0]
     for top in (cluster.log.parent, tmp_path, Path("/dev/shm")):
         for path in top.rglob("*"):
             try:

@@ -17,6 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import RAY_LOOPBACK
+
 # Found, not imported: Ray reads its settings once per process, and this one runs other clusters.
 if importlib.util.find_spec("ray") is None:
     pytest.skip("needs ray", allow_module_level=True)
@@ -84,7 +86,7 @@ ray.shutdown()
 
 def test_a_stopped_agent_is_silent_then_stalled_and_a_pause_between_looks_is_no_silence(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           **RAY_LOOPBACK,
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     # Ray's session directory holds unix sockets: a short path.
     short = Path(f"/tmp/stliv-{os.getpid()}")
