@@ -471,6 +471,41 @@ def test_two_broadcasts_at_once_on_one_cluster_each_stage_their_own_hubs(cluster
             assert_staged_like_the_nas(root / name / "hub", nas)
 
 
+def test_two_runs_at_once_for_the_same_hubs_both_end_staged_and_neither_writes_the_nas(cluster, staged, nas, sshd,
+                                                                                       tmp_path):
+    """Two operators start the same fleet mirror at the same moment (a cron job and a hand run).
+    Each node's hub takes one writer at a time: whichever run's relay holds it, the other run's
+    node waits for the lock or is reported as locked by that holder, and neither run leaves a
+    node half staged. Every file on every node has its NAS bytes; the NAS is unchanged."""
+    manifest = fleet_manifest(tmp_path / "cluster.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
+    before = {path: path.stat().st_mtime_ns for path in nas["hub"].rglob("*") if not path.is_symlink()}
+    results: list = [None, None]
+
+    def run(index: int) -> None:
+        results[index], _ = fleet("mirror", "--transport", "broadcast", "--json", "--timeout", "150", "--manifest",
+                                  manifest, timeout=240)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        assert result.code == 0, result.stderr + result.stdout
+        for name in NODES:
+            assert result.json["nodes"][name]["report"]["problems"] == [], result.json["nodes"][name]
+    for name in NODES:
+        assert_staged_like_the_nas(tmp_path / name / "hub", nas)
+        assert not list((tmp_path / name / "hub").rglob("*.incomplete")), name
+    # A relay that found its hub locked says by whom: the other run's process, by pid.
+    for result in results:
+        for name in NODES:
+            for fallback in result.json["nodes"][name].get("fallbacks") or ():
+                if "locked" in (fallback.get("why") or ""):
+                    assert re.search(r"locked by .*pid \d+", fallback["why"]), fallback
+    assert before == {path: path.stat().st_mtime_ns for path in nas["hub"].rglob("*") if not path.is_symlink()}
+
+
 # A driver of its own, not one in the test process: Ray takes its settings (loopback, the auth
 # mode, the token) from the environment of the moment a process first imports it, and a test on
 # this worker may have imported it before the cluster's environment was set. The key goes to the
