@@ -48,6 +48,10 @@ SSH_CONFIG = "~/.ssh/config"
 KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
 # OpenSSH allows 10 sessions per connection (MaxSessions); fsspec's own session is the first of ours.
 SESSIONS_PER_CONNECTION = 8
+# A connection sits idle for as long as a node receives its bytes from peers, an hour and more on
+# a big model; firewalls and NAT drop idle TCP flows after minutes (AWS NAT: 350 s). A keepalive
+# every 30 s, as OpenSSH's ServerAliveInterval would send, keeps the flow known to them.
+KEEPALIVE_SECONDS = 30
 # paramiko's default 2 MiB SSH window stalled reads at half the link's speed. A larger window
 # costs no memory here: the server only sends what BYTES_IN_FLIGHT of requests asked for.
 WINDOW_BYTES = 64 * 1024 * 1024
@@ -234,6 +238,7 @@ def _transport_preferring_gcm(sock, **kwargs):
 
     transport = paramiko.Transport(sock, default_window_size=WINDOW_BYTES, default_max_packet_size=PACKET_BYTES,
                                    **kwargs)
+    transport.set_keepalive(KEEPALIVE_SECONDS)
     options = transport.get_security_options()
     offered = tuple(options.ciphers)
     options.ciphers = tuple(c for c in PREFERRED_CIPHERS if c in offered) + tuple(
@@ -250,6 +255,11 @@ class _Sessions:
     file twice in one thread), on a new connection past MaxSessions. A new connection's
     first session is the one fsspec opened on it: a second would cost the server another
     sftp-server start (a shell, then the subsystem: 0.11 s of an agent's start, profiled on the lab).
+
+    A connection lost while none of its sessions was lent (the NAS's sshd restarted, a link down
+    for a moment while the node received from its peers) is let go, and the next take opens a new
+    one; if that fails, so does the take (CannotRun). One lost during a request ends the run
+    (RemoteSource._failures): its answer is gone.
     """
 
     def __init__(self, target: SftpTarget):
@@ -262,8 +272,13 @@ class _Sessions:
         import paramiko
 
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                sftp = self._idle.pop()
+                if _alive(sftp):
+                    return sftp
+                sftp.close()
+            for conn in [c for c in self._connections if not _connected(c[0])]:
+                self._let_go(conn)
             while True:
                 conn = next((c for c in self._connections if c[1] < SESSIONS_PER_CONNECTION), None)
                 if conn is None:
@@ -272,15 +287,18 @@ class _Sessions:
                     return self._timed(fs.ftp)
                 try:
                     sftp = paramiko.SFTPClient.from_transport(conn[0].client.get_transport())
-                except paramiko.ChannelException:
-                    sftp = None
-                except (paramiko.SSHException, EOFError, OSError) as exc:
-                    raise CannotRun(f"sftp source {self.target.url}: connection lost: {exc}") from None
-                if sftp is None:  # the server allows fewer sessions per connection: open another
+                except paramiko.ChannelException:  # the server allows fewer sessions per connection
                     conn[1] = SESSIONS_PER_CONNECTION
+                    continue
+                except (paramiko.SSHException, EOFError, OSError):  # lost before its transport knew
+                    self._let_go(conn)
                     continue
                 conn[1] += 1
                 return self._timed(sftp)
+
+    def _let_go(self, conn: list) -> None:
+        self._connections.remove(conn)
+        conn[0].client.close()
 
     def _timed(self, sftp):
         sftp.get_channel().settimeout(self.target.timeout)
@@ -339,15 +357,26 @@ class RemoteSource:
         try:
             yield
         except TimeoutError:
-            raise CannotRun(f"sftp source {self.url}: no reply within {self.target.timeout:g}s while {what}") from None
+            raise self._given_up(sftp, f"no reply within {self.target.timeout:g}s while {what}") from None
         except paramiko.SSHException as exc:
-            raise CannotRun(f"sftp source {self.url}: connection lost while {what}: {exc}") from None
+            raise self._given_up(sftp, f"connection lost while {what}: {exc}") from None
         except EOFError:
-            raise CannotRun(f"sftp source {self.url}: connection lost while {what}") from None
+            raise self._given_up(sftp, f"connection lost while {what}") from None
         except OSError:
             if not _alive(sftp):
-                raise CannotRun(f"sftp source {self.url}: connection lost while {what}") from None
+                raise self._given_up(sftp, f"connection lost while {what}") from None
             raise
+
+    def _given_up(self, sftp, why: str) -> CannotRun:
+        """The run's end, and the session's: closed, it is never lent again, so the next request
+        (the closing of a reader, say) is never read a late answer meant for the one given up."""
+        import paramiko
+
+        try:
+            sftp.close()
+        except (OSError, EOFError, paramiko.SSHException):
+            pass  # its connection is gone already
+        return CannotRun(f"sftp source {self.url}: {why}")
 
     def lstat(self, rel: str) -> Stat | None:
         with self._session(f"reading the attributes of {rel}") as sftp:
@@ -555,6 +584,11 @@ def _is_dir(mode: int | None) -> bool:
 def _alive(sftp) -> bool:
     channel = sftp.get_channel()
     return not channel.closed and channel.get_transport().is_active()
+
+
+def _connected(fs) -> bool:
+    transport = fs.client.get_transport()
+    return transport is not None and transport.is_active()
 
 
 def _realpath(sftp, path: str) -> str:

@@ -19,6 +19,7 @@ from reliability_support import temp_files
 from remote_fixtures import (DRAFTER, FLASH, HOSTILE, MiB, build_remote_nas, hub_tree as tree, load_offline,
                              manifest_for, silent_port, start_sshd)
 from stager.base.errors import CannotRun
+from stager.sources.sftp import _alive
 from stager.mirror.hub import walk_repo
 from stager.sources import open_source
 from stager.sources.local import LocalSource
@@ -353,7 +354,9 @@ def test_a_file_that_shrinks_during_a_read_is_a_file_problem_not_a_lost_source(s
         reader.close()
 
 
-def test_a_lost_connection_ends_the_run_instead_of_hanging(nas, sshd, tmp_path):
+def test_a_connection_lost_during_a_read_ends_it_and_the_next_request_connects_again(nas, sshd, tmp_path):
+    """Its answer gone, the read in flight ends the run (CannotRun, at once, not a hang). The
+    source itself is not dead for good: the next request opens a new connection."""
     hub = tmp_path / "hub"
     hub.mkdir()
     (hub / "blob").write_bytes(pseudo_random(7, 4 * MiB))
@@ -361,14 +364,63 @@ def test_a_lost_connection_ends_the_run_instead_of_hanging(nas, sshd, tmp_path):
     source = open_source(sshd.url(hub), {})
     reader = source.open("blob", uncached=True)
     assert reader.pread(16, 0) == pseudo_random(7, 16)
-    for pid in set(sshd.session_pids()) - before:
+    lost = set(sshd.session_pids()) - before
+    for pid in lost:
         os.kill(pid, signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(CannotRun, match="connection lost"):
         reader.pread(4 * MiB, 0)
-    with pytest.raises(CannotRun):
-        source.lstat("blob")
     assert time.monotonic() - started < 10
+    reader.close()
+    again = source.open("blob", uncached=True)
+    assert again.pread(4 * MiB, 0) == pseudo_random(7, 4 * MiB)
+    again.close()
+    assert set(sshd.session_pids()) - before - lost
+
+
+def kill_and_wait_until_seen(source, pids: set[int]) -> None:
+    """SIGKILL the server's side of the source's connections, and wait until the transports' own
+    threads have seen them end, as they would have long before a node's next request."""
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(_alive(sftp) for sftp in source._sessions._idle) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_connection_lost_while_idle_is_replaced_and_a_nas_gone_for_good_is_one_clear_error(tmp_path, monkeypatch):
+    """A node's NAS connection sits idle while it receives from its peers. The NAS's sshd
+    restarted (its sessions killed) in that time: the next reads open a new connection and read
+    every byte right, where they once ended the run with "connection lost". With the NAS gone
+    for good, the next request fails at once, naming the source."""
+    own = start_sshd(tmp_path / "own-sshd")
+    try:
+        for key, value in own.env.items():
+            monkeypatch.setenv(key, value)
+        hub = tmp_path / "hub"
+        hub.mkdir()
+        (hub / "blob").write_bytes(pseudo_random(9, 3 * MiB))
+        source = open_source(own.url(hub), {})
+        reader = source.open("blob", uncached=True)
+        assert reader.pread(3 * MiB, 0) == pseudo_random(9, 3 * MiB)
+        reader.close()
+        first = set(own.session_pids())
+        kill_and_wait_until_seen(source, first)
+        assert source.lstat("blob").size == 3 * MiB
+        reader = source.open("blob", uncached=True)
+        assert reader.pread(3 * MiB, 0) == pseudo_random(9, 3 * MiB)
+        reader.close()
+        assert set(own.session_pids()) and not set(own.session_pids()) & first
+        assert len(source._sessions._connections) == 1
+        second = set(own.session_pids())
+        own.stop()
+        kill_and_wait_until_seen(source, second)
+        started = time.monotonic()
+        with pytest.raises(CannotRun, match=r"sftp source sftp://.*cannot reach"):
+            source.lstat("blob")
+        assert time.monotonic() - started < 10
+    finally:
+        own.stop()
 
 
 @pytest.mark.parametrize("case", ["refused", "silent", "unknown host key", "wrong key", "not a hub"])
