@@ -40,6 +40,11 @@ class SshServer:
         return f"sftp://{self.address}{path}"
 
     @property
+    def log(self) -> Path:
+        """sshd's own log (-E), its listener's and every connection's."""
+        return self.sftp_log.with_name("sshd.log")
+
+    @property
     def env(self) -> dict[str, str]:
         return {"STAGE_SSH_KEY": str(self.key), "STAGE_SSH_KNOWN_HOSTS": str(self.known_hosts)}
 
@@ -73,10 +78,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_sshd(workdir: Path, read_cap: int | None = None, max_sessions: int = 10) -> SshServer:
+def start_sshd(workdir: Path, read_cap: int | None = None, max_sessions: int = 10,
+               log_level: str = "VERBOSE") -> SshServer:
     """A real sshd with throw-away keys. `read_cap`: its sftp-server answers no read with more
     than that many bytes (an older or stricter server), through SFTP_READ_CAP's filter.
-    `max_sessions`: sessions it allows per connection (OpenSSH's MaxSessions, 10 by default)."""
+    `max_sessions`: sessions it allows per connection (OpenSSH's MaxSessions, 10 by default).
+    `log_level`: its LogLevel, in `log` (DEBUG names each request a client sends)."""
     sshd = shutil.which("sshd") or "/usr/sbin/sshd"
     sftp_server = next((p for p in SFTP_SERVERS if os.path.exists(p)), None)
     if not os.path.exists(sshd) or sftp_server is None:
@@ -110,7 +117,7 @@ UsePAM no
 UseDNS no
 MaxStartups 200
 MaxSessions {max_sessions}
-LogLevel VERBOSE
+LogLevel {log_level}
 Subsystem sftp {subsystem}
 """)
         process = subprocess.Popen([sshd, "-D", "-f", str(config), "-E", str(workdir / "sshd.log")],

@@ -284,7 +284,7 @@ class _Sessions:
                 if conn is None:
                     fs = connect(self.target)
                     self._connections.append([fs, 1])
-                    return self._timed(fs.ftp)
+                    return self._with_reply_timeout(fs.ftp)
                 try:
                     sftp = paramiko.SFTPClient.from_transport(conn[0].client.get_transport())
                 except paramiko.ChannelException:  # the server allows fewer sessions per connection
@@ -294,13 +294,13 @@ class _Sessions:
                     self._let_go(conn)
                     continue
                 conn[1] += 1
-                return self._timed(sftp)
+                return self._with_reply_timeout(sftp)
 
     def _let_go(self, conn: list) -> None:
         self._connections.remove(conn)
         conn[0].client.close()
 
-    def _timed(self, sftp):
+    def _with_reply_timeout(self, sftp):
         sftp.get_channel().settimeout(self.target.timeout)
         return sftp
 

@@ -378,6 +378,30 @@ def test_a_connection_lost_during_a_read_ends_it_and_the_next_request_connects_a
     assert set(sshd.session_pids()) - before - lost
 
 
+def test_an_idle_connection_sends_keepalives(tmp_path, monkeypatch):
+    """A node's NAS connection idles while it receives from its peers; firewalls and NAT drop
+    idle flows. Its transport sends SSH keepalives, seen by the server (sshd's DEBUG log names
+    each global request), here every second where a run sends them every 30 s."""
+    from stager.sources import sftp
+
+    monkeypatch.setattr(sftp, "KEEPALIVE_SECONDS", 1)
+    own = start_sshd(tmp_path / "own-sshd", log_level="DEBUG")
+    try:
+        for key, value in own.env.items():
+            monkeypatch.setenv(key, value)
+        hub = tmp_path / "hub"
+        hub.mkdir()
+        (hub / "f").write_bytes(b"x")
+        source = open_source(own.url(hub), {})
+        assert source.lstat("f").size == 1
+        deadline = time.monotonic() + 10
+        while own.log.read_text().count("keepalive@") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert own.log.read_text().count("keepalive@") >= 2, own.log.read_text()[-2000:]
+    finally:
+        own.stop()
+
+
 def kill_and_wait_until_seen(source, pids: set[int]) -> None:
     """SIGKILL the server's side of the source's connections, and wait until the transports' own
     threads have seen them end, as they would have long before a node's next request."""
