@@ -371,3 +371,62 @@ def test_file_by_file_download_killed_half_way(site, hub, procs):
     assert result.code == 0 and result.json["problems"] == [], result.stdout + result.stderr
     assert ".incomplete" in assert_pending(result, a, b, [])["detail"]
     assert_node_serves(site, hub, a)
+
+
+TRANSFORMERS_LOADER = r"""
+import hashlib, json, os, sys
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers.utils.hub import cached_file, get_checkpoint_shard_files
+repo = sys.argv[1]
+config = AutoConfig.from_pretrained(repo)
+tokenizer = AutoTokenizer.from_pretrained(repo)
+shards, _ = get_checkpoint_shard_files(repo, cached_file(repo, "model.safetensors.index.json"))
+out = {"config": [config.model_type, config.hidden_size, config.num_hidden_layers],
+       "ids": tokenizer("hello world again")["input_ids"],
+       "do_sample": GenerationConfig.from_pretrained(repo).do_sample, "shards": {}}
+for path in shards:
+    with open(path, "rb") as f:
+        out["shards"][os.path.basename(path)] = {"sha256": hashlib.sha256(f.read()).hexdigest(),
+                                                 "real": os.path.realpath(path)}
+print(json.dumps(out))
+"""
+
+
+def transformers_model() -> dict[str, bytes]:
+    """A model as transformers reads one: a Llama config, a fast tokenizer (tokenizers' own
+    WordLevel model), a generation config, and weights in two shards named by an index."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 3}
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": shards[0], "lm_head.weight": shards[1]}}
+    return {"config.json": json.dumps(config).encode(), "generation_config.json": b'{"do_sample": false}',
+            "tokenizer.json": tokenizer.to_str().encode(),
+            "tokenizer_config.json": b'{"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}',
+            "model.safetensors.index.json": json.dumps(index).encode(),
+            shards[0]: random_safetensors(11, 2 * MiB), shards[1]: random_safetensors(12, 3 * MiB)}
+
+
+def test_transformers_offline_loads_the_config_tokenizer_and_every_shard_from_the_node(site, hub, procs):
+    """The NAS filled by snapshot_download, the node staged by `stage mirror`; then transformers,
+    offline and pointed at the node's hub alone, finds the config, the tokenizer, the generation
+    config and the index's shards there, with the bytes the Hub served."""
+    files = transformers_model()
+    commit = hub.commit(REPO_ID, files)
+    download(site, hub, procs)
+    result = mirror(site)
+    assert result.code == 0 and result.json["problems"] == [], result.stdout + result.stderr
+    assert node_ref(site) == commit
+    proc = subprocess.run([sys.executable, "-c", TRANSFORMERS_LOADER, REPO_ID], capture_output=True, text=True,
+                          env=client_env(site, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(site["node"])), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded["config"] == ["llama", 64, 2]
+    assert loaded["ids"] == [1, 2, 0] and loaded["do_sample"] is False
+    served = {name: hashlib.sha256(data).hexdigest() for name, data in files.items() if name.endswith(".safetensors")}
+    assert {name: shard["sha256"] for name, shard in loaded["shards"].items()} == served
+    node = site["node"].resolve()
+    assert all(Path(shard["real"]).is_relative_to(node / REPO_DIR / "blobs") for shard in loaded["shards"].values())
