@@ -278,7 +278,8 @@ class _Sessions:
                     return sftp
                 sftp.close()
             for conn in [c for c in self._connections if not _connected(c[0])]:
-                self._let_go(conn)
+                self._connections.remove(conn)
+                conn[0].client.close()
             while True:
                 conn = next((c for c in self._connections if c[1] < SESSIONS_PER_CONNECTION), None)
                 if conn is None:
@@ -287,18 +288,17 @@ class _Sessions:
                     return self._with_reply_timeout(fs.ftp)
                 try:
                     sftp = paramiko.SFTPClient.from_transport(conn[0].client.get_transport())
-                except paramiko.ChannelException:  # the server allows fewer sessions per connection
+                except (paramiko.SSHException, EOFError, OSError):
+                    sftp = None
+                if sftp is None:
+                    # Refused (fewer sessions per connection: ChannelException), slow, or lost
+                    # before its transport knew: no new session on it, and a new connection. It
+                    # is not closed here: other threads may be reading on it; once lost, the
+                    # next take lets it go.
                     conn[1] = SESSIONS_PER_CONNECTION
-                    continue
-                except (paramiko.SSHException, EOFError, OSError):  # lost before its transport knew
-                    self._let_go(conn)
                     continue
                 conn[1] += 1
                 return self._with_reply_timeout(sftp)
-
-    def _let_go(self, conn: list) -> None:
-        self._connections.remove(conn)
-        conn[0].client.close()
 
     def _with_reply_timeout(self, sftp):
         sftp.get_channel().settimeout(self.target.timeout)
