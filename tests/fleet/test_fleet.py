@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -1251,13 +1252,18 @@ def test_a_terminal_gets_a_line_per_node_redrawn_in_place_and_a_pipe_none(staged
     for name in NODES:
         assert_staged_like_the_nas(tmp_path / "tty" / name / "hub", nas)
 
-    piped, _ = fleet(*args, manifest("pipe"))
-    assert piped.code == 0 and "copying" not in piped.stderr, piped.stderr
-    no_table_on(piped.stderr)
-    for option, warned in (("-q", 0), ("--json", 1)):  # -q: the result and errors only
-        code, out, shown = on_a_terminal(*args, manifest(option.strip("-")), option)
-        assert code == 0 and "copying" not in shown and "\x1b[" not in shown, (option, shown)
-        assert shown.count(warning) == warned, (option, shown)
+    # The runs that must draw nothing, at once: each as long as the one above, where lines were drawn.
+    with ThreadPoolExecutor(3) as pool:
+        piped = pool.submit(fleet, *args, manifest("pipe"))
+        quiet = {option: pool.submit(on_a_terminal, *args, manifest(option.strip("-")), option)
+                 for option in ("-q", "--json")}
+        piped = piped.result()[0]
+        assert piped.code == 0 and "copying" not in piped.stderr, piped.stderr
+        no_table_on(piped.stderr)
+        for option, warned in (("-q", 0), ("--json", 1)):  # -q: the result and errors only
+            code, out, shown = quiet[option].result()
+            assert code == 0 and "copying" not in shown and "\x1b[" not in shown, (option, shown)
+            assert shown.count(warning) == warned, (option, shown)
 
 
 def test_the_broadcast_at_a_bwlimit_shows_each_node_receiving_from_the_one_before_it(staged, nas, sshd, tmp_path):
