@@ -441,29 +441,26 @@ def test_broadcast_stages_every_node_reading_the_nas_once(broadcast_run, staged,
           f"(every node reading it: {staged['nas_bytes']}), {broadcast_run['seconds']:.1f}s")
 
 
+def broadcasts_at_once(manifests: list[Path], deadline: int, timeout: float) -> list:
+    """`stage fleet mirror --transport broadcast --json --timeout DEADLINE` for each manifest, all
+    started at once; each process killed at `timeout`."""
+    with ThreadPoolExecutor(len(manifests)) as pool:
+        runs = [pool.submit(fleet, "mirror", "--transport", "broadcast", "--json", "--timeout", str(deadline),
+                            "--manifest", manifest, timeout=timeout) for manifest in manifests]
+        return [run.result()[0] for run in runs]
+
+
 def test_two_broadcasts_at_once_on_one_cluster_each_stage_their_own_hubs(cluster, staged, nas, sshd, tmp_path):
     """Two runs at the same time on one Ray cluster, each for its own hubs (two operators, two
     manifests): each run's agents are its own. Named by their node alone, the second run's agents
     were refused by Ray (ActorAlreadyExistsError, the name taken), as they would be for a run
     started while the last one's agents were still being ended."""
-    import threading
-
     roots = [tmp_path / f"run{i}" for i in range(2)]
     manifests = []
     for root in roots:
         root.mkdir()
         manifests.append(fleet_manifest(root / "cluster.toml", nas, root, sshd, nas_hub=staged["nas_url"]))
-    results: list = [None, None]
-
-    def run(index: int) -> None:
-        results[index], _ = fleet("mirror", "--transport", "broadcast", "--json", "--timeout", "120", "--manifest",
-                                  manifests[index], timeout=180)
-
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = broadcasts_at_once(manifests, 120, timeout=180)
     for root, result in zip(roots, results):
         assert result.code == 0, result.stderr + result.stdout
         assert result.json["transport"] == "broadcast"
@@ -480,17 +477,7 @@ def test_two_runs_at_once_for_the_same_hubs_both_end_staged_and_neither_writes_t
     node half staged. Every file on every node has its NAS bytes; the NAS is unchanged."""
     manifest = fleet_manifest(tmp_path / "cluster.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
     before = {path: path.stat().st_mtime_ns for path in nas["hub"].rglob("*") if not path.is_symlink()}
-    results: list = [None, None]
-
-    def run(index: int) -> None:
-        results[index], _ = fleet("mirror", "--transport", "broadcast", "--json", "--timeout", "150", "--manifest",
-                                  manifest, timeout=240)
-
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = broadcasts_at_once([manifest, manifest], 150, timeout=240)
     for result in results:
         assert result.code == 0, result.stderr + result.stdout
         for name in NODES:
