@@ -13,7 +13,7 @@ by the fleet member that read the file's bytes from the NAS, whose sample arrive
 key (relay.py); nothing else is in it. The node-local contract is unchanged: each call answers
 what `stage mirror --node X --json` would have printed, with its exit code, in the shape of
 node.run_on_node's answer. An agent that cannot start or dies is replaced by that command run as
-a plain Ray task (driver.py): whatever fails falls back to the NAS for that node.
+a NodeCommand (node.py, driver.py): whatever fails falls back to the NAS for that node.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ Ray is imported only here, and only when a fleet command runs: it is an optional
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -29,6 +30,8 @@ CONNECT_TIMEOUT = 60.0
 INSTALL_HINT = "stage fleet needs Ray on every node: pip install '.[fleet]' in the stager checkout (see docs/fleet.md)"
 TOKEN_REMEDY = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<a copy of the cluster's token file, "
                 "mode 0600> (docs/fleet.md)")
+# The GCS's read-only method the driver calls before it joins (_knock).
+GCS_KNOCK = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 # What the cluster did with a request (_knock); UNCLEAR covers every other gRPC status.
 ANSWERED, UNAUTHENTICATED, SILENT, UNCLEAR = "answered", "unauthenticated", "silent", "unclear"
 
@@ -38,6 +41,13 @@ ANSWERED, UNAUTHENTICATED, SILENT, UNCLEAR = "answered", "unauthenticated", "sil
 # escape codes around every such line. The first has a switch; the second has none but the
 # folding itself, so off a terminal each line comes as Ray got it. An operator's setting wins.
 PLAIN_RAY_OUTPUT = {"RAY_COLOR_PREFIX": "0", "RAY_DEDUP_LOGS": "0"}
+
+
+def require_ray() -> None:
+    """Ray is an optional extra: without it, say so before anything else is asked. Not imported
+    here: connect settles the driver's token mode first, which Ray reads when it is imported."""
+    if importlib.util.find_spec("ray") is None:
+        raise CannotRun(INSTALL_HINT)
 
 
 def import_ray():
@@ -51,10 +61,10 @@ def import_ray():
     return ray
 
 
-def connect(ray, timeout: float, allow_unauthenticated: bool) -> tuple[str, str]:
+def connect(timeout: float, allow_unauthenticated: bool) -> tuple[object, str, str]:
     """Join the cluster at $RAY_ADDRESS (else the one this host belongs to), within `timeout`,
-    once it has shown that it refuses requests without a token. Returns the address and what
-    the authentication check found.
+    once it has shown that it refuses requests without a token. Returns Ray, the address and
+    what the authentication check found.
 
     ray.init never gives up on an address that does not answer, so it runs in a daemon
     thread that is abandoned on timeout; the process still exits promptly after the error.
@@ -64,6 +74,9 @@ def connect(ray, timeout: float, allow_unauthenticated: bool) -> tuple[str, str]
     where = f"RAY_ADDRESS={address}" if address != "auto" else "this host (RAY_ADDRESS is not set)"
     _probe(address, timeout, hint)
     auth = _require_token(address, where, hint, timeout, allow_unauthenticated)
+    if auth == "disabled":
+        _drop_token_mode(where)
+    ray = import_ray()
     outcome: list = []
 
     def init() -> None:
@@ -82,7 +95,25 @@ def connect(ray, timeout: float, allow_unauthenticated: bool) -> tuple[str, str]
         text = str(outcome[0]).strip()
         reason = text.splitlines()[0].rstrip(".") if text else type(outcome[0]).__name__
         raise CannotRun(f"cannot join a Ray cluster at {where}: {reason}; {hint}")
-    return address, auth
+    return ray, address, auth
+
+
+def _drop_token_mode(where: str) -> None:
+    """Join a cluster that answers without a token in Ray's mode without one. A driver in token
+    mode refuses the cluster's own calls to it, which carry no token: the GCS, asking the owner
+    of each actor whether it still holds it, takes the refusal for the owner's death and ends
+    every actor the driver creates ("the actor never ran"), so every node of the run failed. Ray
+    reads RAY_AUTH_MODE once, when it is imported; Ray imported already in token mode (to find
+    the cluster of RAY_ADDRESS unset or ray://, or for TLS) cannot change, and the run stops here."""
+    if "ray" not in sys.modules:
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        return
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    if get_authentication_mode() == AuthenticationMode.TOKEN:
+        raise CannotRun(f"the Ray cluster at {where} accepts requests without a token, and this driver runs with "
+                        f"RAY_AUTH_MODE=token: the cluster would end every actor it starts; run it with "
+                        f"RAY_AUTH_MODE=disabled, or restart the cluster with RAY_AUTH_MODE=token (docs/fleet.md)")
 
 
 def _probe(address: str, timeout: float, hint: str) -> None:
@@ -136,7 +167,9 @@ def _control_endpoint(address: str, where: str, hint: str) -> tuple[str, bool]:
     if address.startswith("ray://"):
         rest = address[len("ray://"):].split("/", 1)[0]
         return (rest if rest.rpartition(":")[2].isdigit() else f"{rest}:10001"), True
-    try:  # "auto": the cluster ray.init would join (Ray's own lookup: ray start's record, then pgrep)
+    if address != "auto":
+        return address, False  # host:port, knocked at as given: Ray is not imported yet (connect)
+    try:  # the cluster ray.init would join (Ray's own lookup: ray start's record, then pgrep)
         from ray._private.services import canonicalize_bootstrap_address
 
         target = canonicalize_bootstrap_address(address)
@@ -156,17 +189,19 @@ def _knock(target: str, client: bool, token: str | None, timeout: float) -> tupl
     import grpc
 
     if client:
+        import_ray()
         from ray.core.generated import ray_client_pb2 as pb, ray_client_pb2_grpc as rpc
 
         def call(channel, metadata):
             ping = pb.ClusterInfoRequest(type=pb.ClusterInfoType.PING)
             return rpc.RayletDriverStub(channel).ClusterInfo(ping, timeout=timeout, metadata=metadata)
     else:
-        from ray.core.generated import gcs_service_pb2 as pb, gcs_service_pb2_grpc as rpc
-
         def call(channel, metadata):
-            return rpc.NodeInfoGcsServiceStub(channel).GetClusterId(pb.GetClusterIdRequest(), timeout=timeout,
-                                                                    metadata=metadata)
+            # By its method's name, with an empty request (b"" is an empty GetClusterIdRequest) and
+            # the answer unread: Ray's generated stubs would import Ray, and the driver's own
+            # token mode must be settled before that (connect).
+            method = channel.unary_unary(GCS_KNOCK, request_serializer=bytes, response_deserializer=bytes)
+            return method(b"", timeout=timeout, metadata=metadata)
 
     metadata = [("authorization", f"Bearer {token}")] if token is not None else None
     try:
@@ -203,6 +238,7 @@ def _driver_token(address: str) -> tuple[str | None, str]:
     RAY_AUTH_MODE, ray.init turns token mode on by itself when it finds a token). A token file
     other users can read is refused: the token is the cluster's only key.
     """
+    import_ray()  # the cluster wants a token: the driver's token mode is the one to import Ray in
     try:
         from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
     except ImportError:

@@ -1,9 +1,9 @@
 """The fleet driver: which node runs what, and what each one reported.
 
 Each node runs its node-local command (`stage mirror --node X --json`, ...) as a subprocess of a
-Ray task scheduled with the label selector `stage-node=X` and `num_cpus=0`: the exit code and the
-JSON are exactly the node-local contract, and the task never holds a CPU slot that GPU work is
-waiting for. A node that is not in the Ray cluster, or that has not answered by the deadline, is
+Ray actor (node.NodeCommand) scheduled with the label selector `stage-node=X` and `num_cpus=0`:
+the exit code and the JSON are exactly the node-local contract, and the actor never holds a CPU
+slot that GPU work is waiting for. A node that is not in the Ray cluster, or that has not answered by the deadline, is
 reported as unreachable (exit 3); the fleet's exit code is the worst node's.
 
 For `mirror` the driver also decides where each node's bytes come from (the transport): its own
@@ -11,8 +11,9 @@ source (`nas`), a staged peer over SFTP (`sftp`, --fan-out), or, for the files t
 nodes need, the broadcast (`broadcast`, the default), after which each node's own mirror finishes
 (started as soon as that node has received its part). It never knows how a byte moves:
 that is the transport's, and a transport never decides what a node needs. Whether a node is
-still there (its Ray node, its agent, its answers) is liveness.py's; a broadcast node whose
-agent answers nothing for liveness.SILENCE is reported `stalled` (exit 3) with what it held.
+still there (its Ray node, its actor, its answers) is liveness.py's; a node whose actor (its
+broadcast agent or its NodeCommand) answers nothing for liveness.SILENCE is reported `stalled`
+(exit 3) with what it held.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from stager.base.errors import BadInput
-from stager.fleet.cluster import CONNECT_TIMEOUT, connect, import_ray
+from stager.fleet.cluster import CONNECT_TIMEOUT, connect, require_ray
 from stager.fleet.live import Tracker
-from stager.fleet.liveness import LOOK_INTERVAL, SILENCE, Pings, Watch, by_label, gather, live_labels, placements
-from stager.fleet.node import LABEL, LOCK_WAIT, node_argv, run_on_node
+from stager.fleet.liveness import SILENCE, Pings, Watch, by_label, gather, live_labels, placements
+from stager.fleet.node import LABEL, LOCK_WAIT, NodeCommand, node_argv
 from stager.fleet.options import (
     BroadcastOptions, PruneOptions, broadcast_options, choose_transport, mirror_options, prune_options,
     verify_options,
@@ -39,9 +40,6 @@ from stager.manifest import Manifest
 
 if TYPE_CHECKING:
     from stager.fleet.choice import Choice
-
-BARS = ("mirror", "verify")  # the commands whose node-local run counts its bytes as it goes
-
 
 def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
               fan_out: bool = False, transport: str | None = None, ports: str | None = None, full: bool = False,
@@ -63,16 +61,15 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
     told_broadcast = broadcast_options(transport, ports, streams, full, bwlimit)
     options = verify_options(command, full, subset) + prune_options(command, prune) + mirror_options(
         command, bwlimit)
-    ray = import_ray()
+    require_ray()
     started = time.monotonic()
-    tracker = Tracker(ray, command, names, show=show, warn=warn, board=show is not None and command in BARS,
-                      full=full)
+    tracker = Tracker(command, names, show=show, warn=warn, full=full)
     if transport == "nas" and not told:
         tracker.reads_nas(*everyone_reads_nas(manifest, names))
     # Ray prints what its raylets report (a worker killed, ...) on this process's stdout, where
     # --json promises one object: while Ray is up, whatever it prints goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-        address, auth, runs, delivered, choice = _run(ray, manifest, command, names, transport, told_broadcast, options,
+        address, auth, runs, delivered, choice = _run(manifest, command, names, transport, told_broadcast, options,
                                                       started, timeout, allow_unauthenticated, choosing, tracker)
     if choice is not None:
         transport = choice.transport
@@ -83,10 +80,10 @@ def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, time
                        tracker.fallbacks(runs) if command == "mirror" else (), manifest.nas.hub)
 
 
-def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str | None,
+def _run(manifest: Manifest, command: str, names: list[str], transport: str | None,
          told_broadcast: BroadcastOptions, options: tuple[str, ...], started: float, timeout: float,
          allow_unauthenticated: bool, choosing: bool, tracker: Tracker):
-    address, auth = connect(ray, min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
+    ray, address, auth = connect(min(CONNECT_TIMEOUT, timeout), allow_unauthenticated)
     delivered: dict[str, dict] = {}
     try:
         driver = Driver(ray, manifest, command, started + timeout, timeout, options, tracker=tracker)
@@ -106,8 +103,7 @@ def _run(ray, manifest: Manifest, command: str, names: list[str], transport: str
             runs = driver.all_at_once(names)
         tracker.tick(driver, final=True)
     finally:
-        tracker.end()
-        driver.end_agents()
+        driver.end_actors()
         ray.shutdown()
     return address, auth, runs, delivered, driver.choice
 
@@ -203,11 +199,21 @@ def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: d
         landed_files=int(got.get("landed_files", 0)), sources=tuple(dict.fromkeys(sources))))
 
 
+class Part(NamedTuple):
+    """A node's part the driver waits for: its node-local command in a NodeCommand, or its
+    closing mirror in its broadcast agent (`agent`)."""
+
+    node: str
+    source: str | None  # the source it was told to copy from, if not its own
+    actor: object
+    agent: bool
+
+
 @dataclass
 class Driver:
     """Runs each node's part within the deadline and keeps what it reported: a node-local command
-    as a Ray task pinned to the node, a broadcast node's closing mirror in its agent (replaced by
-    the command as a task if the agent died). Whether a node is still there is liveness.py's."""
+    in a NodeCommand pinned to the node, a broadcast node's closing mirror in its agent (replaced
+    by the command if the agent died). Whether a node is still there is liveness.py's."""
 
     ray: object
     manifest: Manifest
@@ -215,19 +221,23 @@ class Driver:
     deadline: float
     timeout: float
     options: tuple[str, ...] = ()
-    running: dict = field(default_factory=dict)  # ObjectRef -> (node, source override, its agent or None)
+    running: dict = field(default_factory=dict)  # ObjectRef -> Part
     runs: dict[str, NodeRun] = field(default_factory=dict)
     agents: dict = field(default_factory=dict)  # node -> its broadcast agent (agent.py), for this run
+    commands: dict = field(default_factory=dict)  # node -> the NodeCommand running its node-local command
     replaced: dict[str, str] = field(default_factory=dict)  # node -> why its agent's part fell back to a task
-    watch: Watch | None = None  # the agents' answers, while there are agents
     tracker: Tracker | None = None  # each node's part as it goes, for a display; who reads the NAS instead
     agents_started: float = 0.0  # when the agents were started (monotonic): a broadcast node's seconds count from it
     choosing: bool = False  # the broadcast chooses per group between itself and direct reads
     choice: Choice | None = None  # what it chose, once the groups are known
 
     def __post_init__(self):
-        self.task = self.ray.remote(num_cpus=0, max_retries=0)(run_on_node)
-        self.tracker = self.tracker or Tracker(self.ray, self.command, [])
+        # Two calls at once: its command's run, and the driver's progress calls beside it.
+        self.node_command = self.ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0,
+                                            max_concurrency=2)(NodeCommand)
+        self.tracker = self.tracker or Tracker(self.command, [])
+        self.watch = Watch(self.ray, {})  # every node's actor, asked for its progress
+        self.watch.on_look = lambda: self.tracker.tick(self)
         self.placement: dict[str, dict] = {}  # node -> the Ray options that run on it (liveness.placements)
         self.pings = Pings(self.ray, self.where)
 
@@ -254,24 +264,25 @@ class Driver:
 
     def started(self) -> set[str]:
         """The nodes whose command was launched, or that were found unreachable or stalled."""
-        return ({node for node, _source, _agent in self.running.values()} | self.pings.nodes() | set(self.runs)
-                | set(self.watch.stalled if self.watch else ()))
+        return ({part.node for part in self.running.values()} | self.pings.nodes() | set(self.runs)
+                | set(self.watch.stalled))
 
     # ---- launching ------------------------------------------------------------------------------
 
     def launch(self, node: str, source: str | None = None) -> None:
         argv = node_argv(self.manifest, self.command, node, source, self.options)
-        ref = self.task.options(**self.where(node), name=f"stage {self.command} {node}").remote(
-            argv, self.budget(), *self.tracker.task_args(node, place(self.manifest, source
-                                                                     or self.manifest.source_for(node))))
-        self.running[ref] = (node, source, None)
+        actor = self.node_command.options(**self.where(node)).remote()
+        ref = actor.run.remote(argv, self.budget(), place(self.manifest, source or self.manifest.source_for(node)))
+        self.commands[node] = actor
+        self.running[ref] = Part(node, source, actor, agent=False)
+        self.watch.add(node, actor)
 
     def watch_agents(self, agents: dict) -> Watch:
         """The run's broadcast agents, one per node, asked for their progress from now on."""
         self.agents = agents
         self.agents_started = time.monotonic()
-        self.watch = Watch(self.ray, agents)
-        self.watch.on_look = lambda: self.tracker.tick(self)
+        for node, agent in agents.items():
+            self.watch.add(node, agent)
         return self.watch
 
     def finish(self, node: str, gone: str | None = None) -> None:
@@ -281,24 +292,25 @@ class Driver:
         if gone is not None:
             self.replace(node, agent, gone)
             return
-        self.running[agent.finish.remote(self.budget())] = (node, None, agent)
+        self.running[agent.finish.remote(self.budget())] = Part(node, None, agent, agent=True)
 
     def replace(self, node: str, agent, why: str) -> None:
         """The agent died (kill -9, OOM): if its node still runs a task of nothing within SILENCE,
         the node-local command does the agent's part (wait_one launches it); if not, the node is
         unreachable."""
         self.ray.kill(agent, no_restart=True)
-        if self.watch is not None:
-            self.watch.forget(node)
+        self.watch.forget(node)
         self.pings.ask(node, why)
 
-    def end_agents(self) -> None:
-        """No agent outlives the run: one still running a command past the deadline is ended
+    def end_actors(self) -> None:
+        """No actor outlives the run: one still running a command past the deadline is ended
         with it, and a stalled one when its node runs again (a mirror or relay killed at any point
-        leaves only temp files, which the next run sweeps)."""
-        for agent in self.agents.values():
-            self.ray.kill(agent, no_restart=True)
+        leaves only temp files, which the next run sweeps; a NodeCommand's command is sent SIGTERM
+        by the kernel when its worker ends)."""
+        for actor in [*self.agents.values(), *self.commands.values()]:
+            self.ray.kill(actor, no_restart=True)
         self.agents.clear()
+        self.commands.clear()
 
     # ---- collecting -----------------------------------------------------------------------------
 
@@ -313,22 +325,23 @@ class Driver:
     def wait_one(self) -> NodeRun | None:
         """The next node to finish (or found gone or stalled), or None at the deadline."""
         while (self.running or self.pings.asked) and self.left() > 0:
-            look = self.watch.next_look() if self.watch is not None else LOOK_INTERVAL
-            wait = min(look, self.left(), self.pings.first_due() - time.monotonic())
+            wait = min(self.watch.next_look(), self.left(), self.pings.first_due() - time.monotonic())
             ready, _ = self.ray.wait([*self.running, *self.pings.asked], num_returns=1, timeout=max(0.0, wait))
             self.tracker.tick(self)
             if ready and ready[0] in self.pings.asked:
                 self._pinged(ready[0])
                 continue
             if ready:
-                node, source, agent = self.running.pop(ready[0])
-                run = self.collect(ready[0], node, source)
-                if agent is not None and run.status == "unreachable" and node in live_labels(self.ray):
-                    self.replace(node, agent, run.error or "")
+                part = self.running.pop(ready[0])
+                node = part.node
+                run = self.collect(ready[0], node, part.source)
+                if part.agent and run.status == "unreachable" and node in live_labels(self.ray):
+                    self.replace(node, part.actor, run.error or "")
                     continue
-                if self.watch is not None:
-                    self.watch.forget(node)
-                if agent is not None and run.seconds is not None:
+                self.watch.forget(node)
+                if not part.agent:
+                    self.ray.kill(part.actor, no_restart=True)  # its command is over: its worker goes now
+                if part.agent and run.seconds is not None:
                     # The node's part: its plan and what its relay received, not its closing mirror alone.
                     run = replace(run, seconds=time.monotonic() - self.agents_started)
                 self.runs[node] = run
@@ -356,14 +369,14 @@ class Driver:
     def give_up(self) -> None:
         """At the deadline: cancel what is still running (its command is killed on the node). And
         a node found stalled before its command was started is reported so."""
-        for ref, (node, source, agent) in self.running.items():
-            self._cancel(ref, agent)
-            self.runs[node] = unreachable(node, f"no answer within {self.timeout:g}s", source)
+        for part in self.running.values():
+            self.ray.kill(part.actor, no_restart=True)
+            self.runs[part.node] = unreachable(part.node, f"no answer within {self.timeout:g}s", part.source)
         self.running.clear()
         for node, why in self.pings.drop_all():
             self.runs[node] = unreachable(node, f"its agent died ({why}); no answer within {self.timeout:g}s")
-        for node, stall in (self.watch.stalled if self.watch else {}).items():
-            self.runs.setdefault(node, stalled(node, stall.silent, stall.last))
+        for node, stall in self.watch.stalled.items():
+            self.runs.setdefault(node, self._stalled(node, stall))
 
     # ---- nodes found gone -----------------------------------------------------------------------
 
@@ -378,18 +391,19 @@ class Driver:
         self.launch(node)
 
     def stalled_node(self) -> NodeRun | None:
-        """A node running its closing mirror in an agent that has answered nothing for SILENCE:
-        stalled, and waited for no more (its agent is ended with the run's others)."""
-        if self.watch is None:
-            return None
+        """A running node whose actor has answered nothing for SILENCE: stalled, and waited for no
+        more (its actor is ended with the run's others)."""
         self.watch.look()
-        for ref, (node, _source, agent) in list(self.running.items()):
-            stall = self.watch.stalled.get(node)
-            if agent is not None and stall is not None:
+        for ref, part in list(self.running.items()):
+            stall = self.watch.stalled.get(part.node)
+            if stall is not None:
                 del self.running[ref]
-                self.runs[node] = stalled(node, stall.silent, stall.last)
-                return self.runs[node]
+                self.runs[part.node] = self._stalled(part.node, stall)
+                return self.runs[part.node]
         return None
+
+    def _stalled(self, node: str, stall) -> NodeRun:
+        return stalled(node, stall.silent, stall.last, None if node in self.agents else self.command)
 
     def silent_node(self) -> NodeRun | None:
         """A node whose agent died and that ran no task of nothing within SILENCE: unreachable."""
@@ -409,19 +423,11 @@ class Driver:
             live = live_labels(self.ray)
         except Exception:  # noqa: BLE001 - the GCS did not answer this once: look again next interval
             return None
-        for ref, (node, source, agent) in list(self.running.items()):
-            if node not in live:
+        for ref, part in list(self.running.items()):
+            if part.node not in live:
                 del self.running[ref]
-                self._cancel(ref, agent, force=True)
-                self.runs[node] = unreachable(node, f"its Ray node ({LABEL}={node}) left the cluster during the run",
-                                              source)
-                return self.runs[node]
+                self.ray.kill(part.actor, no_restart=True)
+                self.runs[part.node] = unreachable(
+                    part.node, f"its Ray node ({LABEL}={part.node}) left the cluster during the run", part.source)
+                return self.runs[part.node]
         return None
-
-    def _cancel(self, ref, agent, *, force: bool = False) -> None:
-        """Stop a node's command: a task is cancelled (its command killed on the node); an agent's
-        is ended with the agent (Ray cannot cancel a running call of a threaded actor)."""
-        if agent is None:
-            self.ray.cancel(ref, force=force)
-        else:
-            self.ray.kill(agent, no_restart=True)

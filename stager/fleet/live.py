@@ -1,14 +1,11 @@
 """Each node's part as the run goes, for a live display (a line per node: bytes, rate, ETA, where
 from), and the one warning for nodes that read the NAS instead of their peers.
 
-Where the driver learns it, without ever waiting for it:
-- a broadcast node's agent answers the driver's progress call once a second anyway
-  (liveness.Watch): what its relay holds and where from, then what its closing mirror copies;
-- a node that runs its node-local command as a Ray task (--transport nas or sftp, a node that
-  takes no part in the broadcast, one whose agent died) has that command write its byte counts
-  to a pipe (base/progress_pipe.py); the task posts them to the run's Board, an actor, at most
-  once a POST_INTERVAL, and the driver reads the board once a BOARD_INTERVAL.
-A board that does not start, or answers late, leaves the tasks' lines without bytes, nothing more.
+Where the driver learns it, without ever waiting for it: every node's actor answers the driver's
+progress call once a second anyway (liveness.Watch). A broadcast node's agent says what its relay
+holds and where from, then what its closing mirror copies; a node that runs its node-local command
+(--transport nas or sftp, a node that takes no part in the broadcast, one whose agent died) says
+the byte counts that command writes to a pipe (node.NodeCommand, base/progress_pipe.py).
 
 The fallback: a node that reads from the NAS what a peer could have sent it (it has no `address`,
 fewer than two nodes have one, its agent died, its relay did not start) is named once, with its
@@ -18,85 +15,16 @@ end of the run; the report keeps what it read (FleetReport.fallbacks).
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from stager.base import progress_pipe
 from stager.base.units import format_size
 from stager.fleet.report import NAS, Fallback, NodeRun, Progress
 
-POST_INTERVAL = 1.0  # a task posts its command's progress at most this often
-BOARD_INTERVAL = 1.0  # the driver reads the board at most this often
 DRAW_INTERVAL = 0.5  # the display is redrawn at most this often (and when a node ends)
 RATE_WINDOW = 5.0  # seconds of samples a rate is taken over: a chunk's burst is not a rate
-
-
-class Board:
-    """The run's tasks post their node's progress here; the driver reads it. A Ray actor with no
-    CPU, for the run only."""
-
-    def __init__(self):
-        self.latest: dict[str, Progress] = {}
-
-    def put(self, node: str, progress: Progress) -> None:
-        self.latest[node] = progress
-
-    def read(self) -> dict[str, Progress]:
-        return self.latest
-
-
-class TaskProgress:
-    """In a node's Ray task: the pipe its node-local command writes its counts to, read in a thread
-    and posted to the run's board. `source` names where the command copies from (NAS, a peer)."""
-
-    def __init__(self, board, node: str, argv: list[str], source: str | None):
-        self.board, self.node, self.source = board, node, source
-        self.command = argv[0]
-        # A --full mirror first hashes the node's own files (its first bar), then copies.
-        self.copy_step = 2 if self.command == "mirror" and "--full" in argv else 1
-        self.read_fd, self.write_fd = os.pipe()
-        self.thread = threading.Thread(target=self._read, name="stage-fleet-progress", daemon=True)
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, progress_pipe.PROGRESS_FD: str(self.write_fd)}
-
-    def started(self) -> None:
-        """The command holds the write end now: this process lets go of its own."""
-        os.close(self.write_fd)
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join(timeout=POST_INTERVAL)
-
-    def _read(self) -> None:
-        posted, last = 0.0, None
-        with os.fdopen(self.read_fd, "rb") as pipe:
-            for line in pipe:
-                counts = progress_pipe.parse(line)
-                if counts is None:
-                    continue
-                last = self._progress(*counts)
-                if time.monotonic() - posted >= POST_INTERVAL or counts[1] >= counts[2]:
-                    posted = time.monotonic()
-                    self._post(last)
-                    last = None
-        if last is not None:
-            self._post(last)
-
-    def _progress(self, step: int, done: int, total: int) -> Progress:
-        phase = "hash" if step < self.copy_step else self.command
-        return Progress(phase, source=self.source if phase == "mirror" else None, copy_done=done,
-                        copy_total=total, step=step)
-
-    def _post(self, progress: Progress) -> None:
-        try:
-            self.board.put.remote(self.node, progress)
-        except Exception:  # noqa: BLE001 - the board is gone: the run goes on without its lines
-            pass
 
 
 @dataclass(frozen=True)
@@ -156,23 +84,18 @@ class _Direct:
 class Tracker:
     """The run's nodes as they go: `tick(driver)` (from the driver's waits and each of the watch's
     looks) reads what is known without waiting, hands the display its lines, and says a fallback
-    once its bytes are known. `board`: start a Board for the tasks' counts (only when something
-    shows them)."""
+    once its bytes are known."""
 
-    def __init__(self, ray, command: str, names: list[str], *, show: Callable[[list[str]], None] | None = None,
-                 warn: Callable[[str], None] | None = None, board: bool = False, full: bool = False):
-        self.ray, self.command, self.names = ray, command, list(names)
+    def __init__(self, command: str, names: list[str], *, show: Callable[[list[str]], None] | None = None,
+                 warn: Callable[[str], None] | None = None, full: bool = False):
+        self.command, self.names = command, list(names)
         self.show, self.warn = show, warn
         # A --full mirror's first bar hashes the node's own files; its second copies.
         self.copy_step = 2 if full and command == "mirror" else 1
         self.started = time.monotonic()
-        self.wants_board = board
-        self.board = None  # started with the first task, once the driver has joined the cluster
-        self.asked = None  # a read of the board not answered yet
-        self.asked_at = 0.0
-        self.tasks: dict[str, Progress] = {}  # node -> its task's latest progress, from the board
+        self.tasks: dict[str, Progress] = {}  # node -> its node-local command's latest progress
         self.agents: dict[str, Progress] = {}  # node -> its agent's last answer seen
-        self.as_tasks: set[str] = set()  # nodes whose node-local command ran as a Ray task
+        self.as_tasks: set[str] = set()  # nodes whose node-local command ran in a NodeCommand
         self.samples: dict[str, deque] = {}  # node -> (when, what it was doing, bytes done), for its rate
         self.drawn = 0.0
         self.ended: set[str] = set()
@@ -180,18 +103,6 @@ class Tracker:
         self.named: set[str] = set()
 
     # ---- what the driver tells it ------------------------------------------------------------------
-
-    def task_args(self, node: str, source: str | None) -> tuple:
-        """The extra arguments of a node's task (node.run_on_node): the board, and how to name
-        the node and its source, when there is a board."""
-        if self.wants_board:
-            self.wants_board = False
-            try:
-                self.board = self.ray.remote(num_cpus=0, max_restarts=0)(Board).options(
-                    name=f"stage fleet board {os.getpid()}-{time.time_ns()}").remote()
-            except Exception:  # noqa: BLE001 - no board: the tasks' lines go without bytes
-                self.board = None
-        return (self.board, node, source) if self.board is not None else ()
 
     def reads_nas(self, nodes: list[str], why: str, every: bool = False) -> None:
         """`nodes` read from the NAS what their peers could send them, for `why`. Each node is
@@ -201,24 +112,14 @@ class Tracker:
             self.named.update(fresh)
             self.direct.append(_Direct(fresh, why, every))
 
-    def end(self) -> None:
-        if self.board is not None:
-            try:
-                self.ray.kill(self.board, no_restart=True)
-            except Exception:  # noqa: BLE001 - gone with the cluster already
-                pass
-            self.board = None
-
     # ---- each look ---------------------------------------------------------------------------------
 
     def tick(self, driver, final: bool = False) -> None:
         now = time.monotonic()
-        self._read_board(now)
-        watch = driver.watch
-        if watch is not None:
-            self.agents.update(watch.latest)
-        tasks = {node: source for node, source, agent in driver.running.values() if agent is None}
+        tasks = {part.node: part.source for part in driver.running.values() if not part.agent}
         self.as_tasks.update(tasks)
+        for node, progress in driver.watch.latest.items():
+            (self.tasks if node in tasks else self.agents)[node] = progress
         states = [self._state(node, now, driver, tasks) for node in self.names]
         self._say_known(driver.runs)
         newly_ended = {state.node for state in states if state.ended} - self.ended
@@ -249,23 +150,6 @@ class Tracker:
 
     # ---- inside ------------------------------------------------------------------------------------
 
-    def _read_board(self, now: float) -> None:
-        if self.board is None:
-            return
-        if self.asked is not None:
-            ready, _ = self.ray.wait([self.asked], num_returns=1, timeout=0)
-            if not ready:
-                return
-            try:
-                self.tasks.update(self.ray.get(ready[0]))
-            except Exception:  # noqa: BLE001 - the board died: the tasks' lines go without bytes
-                self.board = None
-                return
-            finally:
-                self.asked = None
-        if now - self.asked_at >= BOARD_INTERVAL:
-            self.asked, self.asked_at = self.board.read.remote(), now
-
     def _state(self, node: str, now: float, driver, tasks: dict[str, str | None]) -> NodeState:
         run = driver.runs.get(node)
         if run is not None:
@@ -275,8 +159,7 @@ class Tracker:
             return NodeState(node, run.status, done_bytes=got, seconds=run.seconds or now - self.started,
                              ended=True)
         elapsed = now - self.started
-        watch = driver.watch
-        if watch is not None and node in watch.stalled:
+        if node in driver.watch.stalled:
             return NodeState(node, "stalled", seconds=elapsed)
         if node in tasks:
             task = self.tasks.get(node)

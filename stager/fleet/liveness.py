@@ -9,12 +9,13 @@ fleet run until its --timeout:
   the node is alive; not, it is gone.
 - **It answers nothing** (its processes stopped by SIGSTOP, a hung kernel, a paused VM): Ray keeps
   it in its node table as long as its health checks allow (30 s and more by default), and its
-  calls neither return nor fail. Every agent is asked for its progress once a LOOK_INTERVAL
-  (`Watch`), never waited on; an agent that has answered nothing for SILENCE is stalled.
+  calls neither return nor fail. Every node's actor (its broadcast agent, or the NodeCommand that
+  runs its node-local command) is asked for its progress once a LOOK_INTERVAL (`Watch`), never
+  waited on; one that has answered nothing for SILENCE is stalled.
 
 What is trusted: an answer, and the time it came. A slow node still answers (its progress call
-is a few counters read under its relay's lock, in a thread of its own), so silence is never
-taken for slowness: that is the laggard rule's (broadcast/chain.py), by rate.
+is a few counters read in a thread of its own), so silence is never taken for slowness: that is
+the laggard rule's (broadcast/chain.py), by rate.
 """
 
 from __future__ import annotations
@@ -106,9 +107,10 @@ class Stall:
 
 
 class Watch:
-    """Every watched agent asked for its progress at each look (at most one a LOOK_INTERVAL),
-    every answer taken without waiting: the latest per node, the last few per look, and in
-    `stalled` the agents silent for SILENCE (START before a first answer). A node is silent from
+    """Every watched node's actor (`agents`: node -> an actor with a `progress` method) asked for
+    its progress at each look (at most one a LOOK_INTERVAL), every answer taken without waiting:
+    the latest per node, the last few per look, and in `stalled` the nodes silent for SILENCE
+    (START before a first answer). A node is silent from
     the ask of its oldest call still unanswered after the latest it answered: a look that asked
     nothing (the driver busy elsewhere) makes no node silent. Counted from when the answer was
     taken instead, a node stopped just after an answer was judged a look late; counted from the
@@ -125,6 +127,15 @@ class Watch:
         self.by_look: dict[str, dict[int, Progress]] = {}  # node -> look number -> its answer to it
         self.stalled: dict[str, Stall] = {}
         self.on_look: Callable[[], None] | None = None  # told after each look: the driver's live display
+
+    def add(self, node: str, actor) -> None:
+        """Watch the node's new actor (its node-local command after its agent died): its answers
+        count from now, none of the last actor's."""
+        self.forget(node)
+        self.latest.pop(node, None)
+        self.by_look.pop(node, None)
+        self.answered.pop(node, None)
+        self.agents[node] = actor
 
     def forget(self, node: str) -> None:
         """Watch the node no more: its agent died (the death has its own path), or its part is over."""

@@ -1,4 +1,12 @@
-"""What runs on a node, inside its Ray task: the node-local `stage` command, as a subprocess."""
+"""What runs on a node for a fleet command that is not its broadcast part: the node-local `stage`
+command, as a subprocess of a Ray actor pinned to the node (`NodeCommand`), whose other thread
+answers the driver's progress calls from the command's byte counts.
+
+Why an actor and not a task: a task cannot be asked anything while it runs. A node whose
+processes were stopped (SIGSTOP, a paused VM) while Ray still listed it held `stage fleet verify`
+or `stage fleet mirror --transport nas` until its --timeout; an actor that answers nothing is
+silent, and the driver judges it as it judges a silent broadcast agent (liveness.Watch).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+from stager.base import progress_pipe
+from stager.fleet.report import Progress
 from stager.manifest import Manifest
 
 # The Ray node label that carries a node's manifest name: how a task finds its node.
@@ -32,16 +43,63 @@ def node_argv(manifest: Manifest, command: str, node: str, source: str | None = 
     return argv + list(options)
 
 
-def run_on_node(argv: list[str], timeout: float, board=None, node: str | None = None,
-                source: str | None = None) -> dict:
-    """Run `stage ARGV` here and return its exit code and output. The command is killed at
-    `timeout`, when the task is cancelled, and (by the kernel) if this Ray worker dies, so a
-    fleet run never leaves a writer behind on a node. With the run's `board` (live.py), the
-    command's byte counts are posted to it as `node`'s, copying from `source`."""
-    from stager.fleet.live import TaskProgress
+class NodeCommand:
+    """A node's node-local command for one fleet run: `run` runs it, `progress` answers at once,
+    from another thread, with its latest byte counts (None before its first), so that a node that
+    answers nothing is one that cannot, never one that is busy."""
 
+    def __init__(self):
+        self.counts: CommandProgress | None = None
+
+    def run(self, argv: list[str], timeout: float, source: str | None = None) -> dict:
+        """`source`: where the command copies from, in a word (NAS, a peer), for its progress."""
+        self.counts = CommandProgress(argv, source)
+        return run_on_node(argv, timeout, self.counts)
+
+    def progress(self) -> Progress | None:
+        return self.counts.latest if self.counts is not None else None
+
+
+class CommandProgress:
+    """The pipe a node-local command writes its byte counts to (base/progress_pipe.py), read in a
+    thread of its own: the latest as a Progress."""
+
+    def __init__(self, argv: list[str], source: str | None):
+        self.command, self.source = argv[0], source
+        # A --full mirror first hashes the node's own files (its first bar), then copies.
+        self.copy_step = 2 if self.command == "mirror" and "--full" in argv else 1
+        self.latest: Progress | None = None
+        self.read_fd, self.write_fd = os.pipe()
+        self.thread = threading.Thread(target=self._read, name="stage-fleet-progress", daemon=True)
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, progress_pipe.PROGRESS_FD: str(self.write_fd)}
+
+    def started(self) -> None:
+        """The command holds the write end now: this process lets go of its own."""
+        os.close(self.write_fd)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join(timeout=1.0)
+
+    def _read(self) -> None:
+        with os.fdopen(self.read_fd, "rb") as pipe:
+            for line in pipe:
+                counts = progress_pipe.parse(line)
+                if counts is not None:
+                    step, done, total = counts
+                    phase = "hash" if step < self.copy_step else self.command
+                    self.latest = Progress(phase, source=self.source if phase == "mirror" else None, copy_done=done,
+                                           copy_total=total, step=step)
+
+
+def run_on_node(argv: list[str], timeout: float, progress: CommandProgress | None = None) -> dict:
+    """Run `stage ARGV` here and return its exit code and output. The command is killed at
+    `timeout`, when the call is cancelled, and (by the kernel) if this Ray worker dies, so a
+    fleet run never leaves a writer behind on a node. With `progress`, the command writes its
+    byte counts to it."""
     started = time.monotonic()
-    progress = TaskProgress(board, node or "", argv, source) if board is not None else None
     try:
         proc = subprocess.Popen([sys.executable, "-m", "stager", *argv], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -56,7 +114,7 @@ def run_on_node(argv: list[str], timeout: float, board=None, node: str | None = 
     except subprocess.TimeoutExpired:
         timed_out = True
         out, err = _stop(proc)
-    except BaseException:  # cancelled by the driver (KeyboardInterrupt in the task)
+    except BaseException:  # interrupted (KeyboardInterrupt, SystemExit): no command outlives its caller
         _stop(proc)
         raise
     finally:

@@ -35,7 +35,7 @@ NAS = "NAS"  # how a row names the manifest's nas.hub
 class Progress:
     """A node's part as it goes: a broadcast node's from its agent, asked once a second (enough for
     the driver to tell a silent node from a slow one, and for the chain's laggard rule); a node
-    running its node-local command as a Ray task from that command (live.py). For a live display
+    running its node-local command from the byte counts that command writes (node.NodeCommand). For a live display
     per node. Bytes are data bytes the node has written and checked; a file counts once it has
     landed under its final name (the next run keeps it; a temp file it sweeps)."""
 
@@ -246,12 +246,17 @@ def unreachable(node: str, why: str, source: str | None = None) -> NodeRun:
     return NodeRun(node, EXIT_CANNOT_RUN, "unreachable", source=source, error=why)
 
 
-def stalled(node: str, silent: float, last: Progress | None) -> NodeRun:
-    """A node whose agent stopped answering (its processes stopped, its kernel hung): exit 3, as
+def stalled(node: str, silent: float, last: Progress | None, command: str | None = None) -> NodeRun:
+    """A node whose actor stopped answering (its processes stopped, its kernel hung): exit 3, as
     an unreachable node, with what it held at its last answer. Its hub is left as a killed run
-    leaves it; its next run sweeps the temp files and keeps what landed."""
+    leaves it; its next run sweeps the temp files and keeps what landed. `command`: the node-local
+    command its NodeCommand ran; None for a broadcast agent."""
+    who = f"its stage {command}" if command else "its agent"
     if last is None:
-        why = f"its agent never answered ({silent:.0f}s)"
+        why = f"{who} never answered ({silent:.0f}s)"
+    elif command:
+        why = (f"{who} answered nothing for {silent:.0f}s; {format_size(last.copy_done)} of "
+               f"{format_size(last.copy_total)} done ({last.phase})")
     else:
         held = f"{last.landed_files} files landed, {format_size(last.done_bytes)}"
         why = (f"its agent answered nothing for {silent:.0f}s during its {last.phase}; {held} of "

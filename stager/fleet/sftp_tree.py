@@ -43,7 +43,7 @@ def fan_out(driver, names: list[str]) -> dict[str, NodeRun]:
                 driver.launch(node, peer_url(driver.manifest, server))
                 pending.remove(node)
                 continue
-            coming = [n for n, _source, _agent in driver.running.values()] + list(serving.values())
+            coming = [part.node for part in driver.running.values()] + list(serving.values())
             if nodes[node].source is not None or not any(can_serve(s, node) for s in coming):
                 driver.launch(node)
                 pending.remove(node)

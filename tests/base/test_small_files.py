@@ -58,7 +58,7 @@ REVIEWED = {
     ("fleet/broadcast/relay.py", "_Feed.fill", "os.open"): "/proc/self/fd/N of our own temp file, open already",
     ("fleet/agent.py", "NodeAgent.open", "self.relay.open"): "the relay's listening sockets, no file",
     ("fleet/probe.py", "read_nas", "source.open"): "a source's reader",
-    ("fleet/live.py", "TaskProgress._read", "os.fdopen"): "the read end of a pipe this process made (os.pipe)",
+    ("fleet/node.py", "CommandProgress._read", "os.fdopen"): "the read end of a pipe this process made (os.pipe)",
     ("mirror/observe.py", "DigestCache._digest", "self.source.open"): "a source's reader",
     ("engram/checkpoint.py", "Checkpoint.open", "self.source.open"): "a source's reader",
     ("engram/checkpoint.py", "_header", "source.open"): "a source's reader",

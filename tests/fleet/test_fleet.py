@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -625,6 +626,84 @@ def test_a_relay_killed_mid_run_is_routed_around_and_a_rerun_converges(cluster, 
     assert again.code == 0, again.stderr
     assert all(run["report"]["copied_bytes"] == 0 and run["peer_bytes"] == 0 for run in again.json["nodes"].values())
     verify_full(manifest, "dgx2")
+
+
+def node_mirror_pid(manifest: Path, node: str) -> int | None:
+    """The pid of the node-local `stage mirror --node NODE` a fleet run started with `manifest`."""
+    wanted = ["mirror", "--node", node]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if str(manifest) in argv and any(argv[i:i + 3] == wanted for i in range(len(argv))):
+            return int(pid)
+    return None
+
+
+def bytes_under(root: Path) -> int:
+    """The bytes of the regular files under `root`, temp files included."""
+    return sum(path.lstat().st_size for path in root.rglob("*") if path.is_file() and not path.is_symlink()) \
+        if root.is_dir() else 0
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_node_whose_command_freezes_is_reported_stalled_and_the_others_finish(cluster, staged, nas, sshd,
+                                                                                tmp_path):
+    """--transport nas: each node runs its own `stage mirror` in an actor of its own. dgx2's
+    mirror and the Ray worker that runs it are stopped (SIGSTOP) while it copies: Ray still lists
+    the node, and its calls neither return nor fail. The run returns once dgx2 has answered
+    nothing for SILENCE, not at its --timeout: exit 3, dgx2 `stalled` with what it had copied, the
+    others staged. After SIGCONT a re-run stages dgx2."""
+    from stager.fleet.liveness import SILENCE
+
+    manifest = fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd, nas_hub=staged["nas_url"])
+    proc = subprocess.Popen([sys.executable, "-m", "stager", "fleet", "mirror", "--transport", "nas", "--bwlimit", "1M",
+                             "--json", "--timeout", "300", "--manifest", str(manifest)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not frozen and proc.poll() is None and time.monotonic() < deadline:
+            mirror = node_mirror_pid(manifest, "dgx2")
+            if mirror is not None and bytes_under(tmp_path / "dgx2" / "hub") >= 3 * MiB:  # a third of its copy
+                frozen = [parent_pid(mirror), mirror]
+                for pid in frozen:
+                    os.kill(pid, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=200)
+        returned = time.monotonic() - stopped_at
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert frozen, err
+    assert returned <= SILENCE + 15, (returned, err)
+    report = json.loads(out)
+    assert proc.returncode == 3 and report["exit_code"] == 3, err
+    dgx2 = report["nodes"]["dgx2"]
+    assert dgx2["status"] == "stalled" and dgx2["exit_code"] == 3, dgx2
+    assert re.fullmatch(rf"its stage mirror answered nothing for \d+s; ({SIZE}) of ({SIZE}) done \(mirror\)",
+                        dgx2["error"]), dgx2
+    assert 0 < dgx2["progress"]["copy_done"] < dgx2["progress"]["copy_total"], json.dumps(dgx2)
+    for name in ("dgx1", "dgx3"):
+        assert report["nodes"][name]["status"] == "ok", report["nodes"][name]
+        assert_staged_like_the_nas(tmp_path / name / "hub", nas)
+    # Thawed, its mirror ends (its actor was ended with the run), leaving what a killed run leaves.
+    deadline = time.monotonic() + 30
+    while node_mirror_pid(manifest, "dgx2") is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node_mirror_pid(manifest, "dgx2") is None
+    again, _ = fleet("mirror", "--transport", "nas", "--json", "--timeout", "120", "--manifest", manifest)
+    assert again.code == 0, again.stderr
+    assert_staged_like_the_nas(tmp_path / "dgx2" / "hub", nas)
 
 
 @contextmanager
