@@ -374,6 +374,47 @@ def test_a_node_frozen_half_way_is_reported_stalled_and_a_rerun_stages_it(lab, c
     assert_every_byte_right(lab)
 
 
+def test_a_node_frozen_half_way_through_its_own_mirror_is_reported_stalled(lab, one_node):
+    """--transport nas: every node runs its own `stage mirror`, reading the NAS. Every process of
+    dgx2's namespace stopped once it has read half the data: the command returns once dgx2 has
+    answered nothing for SILENCE, not at its --timeout, dgx2 `stalled` with what it had copied,
+    the others' bytes right; after SIGCONT a re-run stages dgx2."""
+    nodes = list(lab.nodes)
+    victim = lab.nodes[nodes[1]]
+    freeze = FreezeHalfWay(lab, victim)
+    try:
+        run = mirror(lab, "--transport", "nas", "--timeout", "240")
+        frozen = freeze.frozen.is_set()
+    finally:
+        freeze.thaw()
+    assert frozen, "the node was not frozen during the run"
+    # The NAS's uplink carries every node's copy: N times one node's time, clean.
+    assert run.seconds <= 1.2 * len(nodes) * one_node.seconds + SILENCE, (run.seconds, one_node.seconds)
+    assert run.code == 3, run.stderr
+    report = run.report["nodes"]
+    assert report[victim.name]["status"] == "stalled", report[victim.name]
+    held = report[victim.name]["progress"]
+    assert held["phase"] == "mirror" and 0 < held["copy_done"] < held["copy_total"], held
+    survivors = [n for n in nodes if n != victim.name]
+    assert all(report[n]["status"] == "ok" for n in survivors), report
+    assert_every_byte_right(lab, survivors)
+    # Thawed, its mirror obeys the SIGTERM its ended actor left it, and lets go of the hub's lock.
+    deadline = time.monotonic() + 30
+    while any(is_node_mirror(pid) for pid in lab.pids(victim)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    again = fleet(lab, "mirror", "--transport", "nas")
+    assert again.code == 0, again.stderr
+    assert_every_byte_right(lab)
+
+
+def is_node_mirror(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"stager" in argv and b"mirror" in argv and b"--node" in argv
+
+
 def test_a_node_at_a_quarter_of_the_rate_does_not_hold_the_others_back(lab, clean_broadcast):
     nodes = list(lab.nodes)
     clean_landed = clean_broadcast.landed
