@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from stager.base import progress_pipe
 from stager.fleet.report import Progress
@@ -27,6 +28,7 @@ LABEL = "stage-node"
 # A closing mirror may find the hub's lock still held for a moment by the node's relay.
 LOCK_WAIT = 30.0
 KILL_GRACE = 10.0
+STOPPED_POLL = 0.2  # how often a stopped command's progress call looks again
 PR_SET_PDEATHSIG = 1
 
 
@@ -57,7 +59,14 @@ class NodeCommand:
         return run_on_node(argv, timeout, self.counts)
 
     def progress(self) -> Progress | None:
-        return self.counts.latest if self.counts is not None else None
+        counts = self.counts
+        if counts is None:
+            return None
+        # A command stopped (SIGSTOP) with this worker still running is as frozen as a node
+        # stopped whole: its answer waits until it runs again, so the driver finds it silent.
+        while counts.stopped():
+            time.sleep(STOPPED_POLL)
+        return counts.latest
 
 
 class CommandProgress:
@@ -69,16 +78,29 @@ class CommandProgress:
         # A --full mirror first hashes the node's own files (its first bar), then copies.
         self.copy_step = 2 if self.command == "mirror" and "--full" in argv else 1
         self.latest: Progress | None = None
+        self.pid: int | None = None  # the command's, once started
         self.read_fd, self.write_fd = os.pipe()
         self.thread = threading.Thread(target=self._read, name="stage-fleet-progress", daemon=True)
 
     def env(self) -> dict[str, str]:
         return {**os.environ, progress_pipe.PROGRESS_FD: str(self.write_fd)}
 
-    def started(self) -> None:
-        """The command holds the write end now: this process lets go of its own."""
+    def started(self, pid: int | None) -> None:
+        """The command (`pid`, None if it did not start) holds the write end now: this process
+        lets go of its own."""
+        self.pid = pid
         os.close(self.write_fd)
         self.thread.start()
+
+    def stopped(self) -> bool:
+        """Whether the command is stopped by a signal (its state in /proc: T, or t when traced)."""
+        if self.pid is None:
+            return False
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False  # ended: its answer is its run's
+        return state in ("T", "t")
 
     def join(self) -> None:
         self.thread.join(timeout=1.0)
@@ -100,6 +122,7 @@ def run_on_node(argv: list[str], timeout: float, progress: CommandProgress | Non
     fleet run never leaves a writer behind on a node. With `progress`, the command writes its
     byte counts to it."""
     started = time.monotonic()
+    proc = None
     try:
         proc = subprocess.Popen([sys.executable, "-m", "stager", *argv], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -107,7 +130,7 @@ def run_on_node(argv: list[str], timeout: float, progress: CommandProgress | Non
                                 pass_fds=(progress.write_fd,) if progress else ())
     finally:
         if progress is not None:
-            progress.started()
+            progress.started(proc.pid if proc is not None else None)
     timed_out = False
     try:
         out, err = proc.communicate(timeout=max(0.1, timeout))
