@@ -115,7 +115,7 @@ def assert_every_byte_right(lab: Lab, nodes: list[str] | None = None) -> None:
     for node in nodes:
         assert lab.staged_digests(node) == lab.sha256, node
     verified = fleet(lab, "verify", "--full", "--nodes", ",".join(nodes))
-    assert verified.code == 0, (verified.stderr, verified.stdout)
+    assert verified.code == 0, (verified.stderr, verified.report)
     for node in nodes:
         report = verified.report["nodes"][node]["report"]
         assert report["mode"] == "full" and report["problems"] == [] and report["ok"] == report["checked"] > 0, node

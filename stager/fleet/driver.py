@@ -232,8 +232,13 @@ class Driver:
     choice: Choice | None = None  # what it chose, once the groups are known
 
     def __post_init__(self):
-        # Two calls at once: its command's run, and the driver's progress calls beside it.
-        self.node_command = self.ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0,
+        # Two calls at once: its command's run, and the driver's progress calls beside it. One
+        # restart: the GCS leases an actor's worker through some node's raylet, and when that
+        # node had just died (a node that came back, its old Ray node not yet given up) the
+        # creation waited for the death and was then cancelled as a restart ("the actor never
+        # ran"), failing a live node. A call already sent is never retried (max_task_retries=0):
+        # a command that ran is never run twice.
+        self.node_command = self.ray.remote(num_cpus=0, max_restarts=1, max_task_retries=0,
                                             max_concurrency=2)(NodeCommand)
         self.tracker = self.tracker or Tracker(self.command, [])
         self.watch = Watch(self.ray, {})  # every node's actor, asked for its progress
