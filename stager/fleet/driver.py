@@ -3,8 +3,9 @@
 Each node runs its node-local command (`stage mirror --node X --json`, ...) as a subprocess of a
 Ray actor (node.NodeCommand) scheduled with the label selector `stage-node=X` and `num_cpus=0`:
 the exit code and the JSON are exactly the node-local contract, and the actor never holds a CPU
-slot that GPU work is waiting for. A node that is not in the Ray cluster, or that has not answered by the deadline, is
-reported as unreachable (exit 3); the fleet's exit code is the worst node's.
+slot that GPU work is waiting for. A node that is not in the Ray cluster, or that has not
+answered by the deadline, is reported as unreachable (exit 3); the fleet's exit code is the
+worst node's.
 
 For `mirror` the driver also decides where each node's bytes come from (the transport): its own
 source (`nas`), a staged peer over SFTP (`sftp`, --fan-out), or, for the files two or more
@@ -40,6 +41,7 @@ from stager.manifest import Manifest
 
 if TYPE_CHECKING:
     from stager.fleet.choice import Choice
+
 
 def run_fleet(manifest: Manifest, command: str, nodes: list[str] | None, *, timeout: float,
               fan_out: bool = False, transport: str | None = None, ports: str | None = None, full: bool = False,
@@ -225,7 +227,7 @@ class Driver:
     runs: dict[str, NodeRun] = field(default_factory=dict)
     agents: dict = field(default_factory=dict)  # node -> its broadcast agent (agent.py), for this run
     commands: dict = field(default_factory=dict)  # node -> the NodeCommand running its node-local command
-    replaced: dict[str, str] = field(default_factory=dict)  # node -> why its agent's part fell back to a task
+    replaced: dict[str, str] = field(default_factory=dict)  # node -> why its agent's part fell back to its command
     tracker: Tracker | None = None  # each node's part as it goes, for a display; who reads the NAS instead
     agents_started: float = 0.0  # when the agents were started (monotonic): a broadcast node's seconds count from it
     choosing: bool = False  # the broadcast chooses per group between itself and direct reads
@@ -408,7 +410,7 @@ class Driver:
         return None
 
     def _stalled(self, node: str, stall) -> NodeRun:
-        return stalled(node, stall.silent, stall.last, None if node in self.agents else self.command)
+        return stalled(node, stall.silent, stall.last, self.command if node in self.commands else None)
 
     def silent_node(self) -> NodeRun | None:
         """A node whose agent died and that ran no task of nothing within SILENCE: unreachable."""

@@ -924,9 +924,18 @@ def test_a_cluster_without_authentication_is_refused_unless_allowed(cluster, sta
                 f"stage: error: the Ray cluster at RAY_ADDRESS={head.address} accepts requests without a token: "
                 "anyone who reaches its port runs code as the user that writes the node hubs; restart it with "
                 "RAY_AUTH_MODE=token (docs/fleet.md) or pass --allow-unauthenticated-cluster"]
+            # This driver's environment is in token mode: on the open cluster it joins without it, else
+            # the cluster ended every actor it started ("the actor never ran").
+            assert os.environ.get("RAY_AUTH_MODE") == "token"
             allowed = run_stage(*args, "--json", "--allow-unauthenticated-cluster", env={"RAY_ADDRESS": head.address})
             assert allowed.code == 0, allowed.stderr
             assert allowed.json["cluster_auth"] == "disabled" and allowed.json["nodes"][NODES[0]]["status"] == "ok"
+            # Through the Ray Client port Ray is imported to knock, in token mode: one line, exit 3.
+            client = run_stage(*args, "--allow-unauthenticated-cluster", env={"RAY_ADDRESS": head.client_address})
+            assert client.code == 3 and client.stderr.strip().splitlines() == [
+                f"stage: error: the Ray cluster at RAY_ADDRESS={head.client_address} accepts requests without a "
+                "token, and this driver runs with RAY_AUTH_MODE=token: the cluster would end every actor it starts; "
+                "run it with RAY_AUTH_MODE=disabled, or restart the cluster with RAY_AUTH_MODE=token (docs/fleet.md)"]
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
