@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from stager.base import progress_pipe
 from stager.fleet.report import Progress
@@ -97,7 +96,8 @@ class CommandProgress:
         if self.pid is None:
             return False
         try:
-            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{self.pid}/stat", encoding="utf-8", errors="replace") as handle:
+                state = handle.read().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             return False  # ended: its answer is its run's
         return state in ("T", "t")

@@ -59,6 +59,7 @@ REVIEWED = {
     ("fleet/agent.py", "NodeAgent.open", "self.relay.open"): "the relay's listening sockets, no file",
     ("fleet/probe.py", "read_nas", "source.open"): "a source's reader",
     ("fleet/node.py", "CommandProgress._read", "os.fdopen"): "the read end of a pipe this process made (os.pipe)",
+    ("fleet/node.py", "CommandProgress.stopped", "open"): "/proc/<pid>/stat of its own command, a procfs file",
     ("mirror/observe.py", "DigestCache._digest", "self.source.open"): "a source's reader",
     ("engram/checkpoint.py", "Checkpoint.open", "self.source.open"): "a source's reader",
     ("engram/checkpoint.py", "_header", "source.open"): "a source's reader",
