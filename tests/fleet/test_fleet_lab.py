@@ -319,18 +319,20 @@ def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab, clea
 
 
 class FreezeHalfWay:
-    """SIGSTOP every process of a node once it has received half the data, from a thread; `thaw`
-    (always, in a finally) stops the thread first, so no freeze can come after it."""
+    """SIGSTOP every process of a node once it has received half the data (`received`: by default
+    what its link carried to it), from a thread; `thaw` (always, in a finally) stops the thread
+    first, so no freeze can come after it."""
 
-    def __init__(self, lab, victim):
+    def __init__(self, lab, victim, received=None):
         self.lab, self.victim = lab, victim
-        self.start = lab.counters(victim).tx_bytes  # the root-namespace end sends what the node receives
+        start = lab.counters(victim).tx_bytes  # the root-namespace end sends what the node receives
+        self.received = received or (lambda: lab.counters(victim).tx_bytes - start)
         self.stop, self.frozen = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._freeze, daemon=True)
         self.thread.start()
 
     def _freeze(self) -> None:
-        while not self.stop.is_set() and self.lab.counters(self.victim).tx_bytes - self.start < self.lab.data_bytes // 2:
+        while not self.stop.is_set() and self.received() < self.lab.data_bytes // 2:
             time.sleep(0.05)
         if not self.stop.is_set():
             self.lab.freeze_node(self.victim.name)
@@ -381,7 +383,10 @@ def test_a_node_frozen_half_way_through_its_own_mirror_is_reported_stalled(lab, 
     the others' bytes right; after SIGCONT a re-run stages dgx2."""
     nodes = list(lab.nodes)
     victim = lab.nodes[nodes[1]]
-    freeze = FreezeHalfWay(lab, victim)
+    # Half its data written by its own mirror: its link carries more than the mirror's reads (it
+    # had carried half the data while the mirror had written 0 to 8 MB).
+    freeze = FreezeHalfWay(lab, victim, lambda: sum(bytes_written(pid) for pid in lab.pids(victim)
+                                                    if is_node_mirror(pid)))
     try:
         run = mirror(lab, "--transport", "nas", "--timeout", "240")
         frozen = freeze.frozen.is_set()
@@ -394,7 +399,8 @@ def test_a_node_frozen_half_way_through_its_own_mirror_is_reported_stalled(lab, 
     report = run.report["nodes"]
     assert report[victim.name]["status"] == "stalled", report[victim.name]
     held = report[victim.name]["progress"]
-    assert held["phase"] == "mirror" and 0 < held["copy_done"] < held["copy_total"], held
+    assert held["phase"] == "mirror" and 0 < held["copy_done"] < held["copy_total"], \
+        (held, report[victim.name]["error"])
     survivors = [n for n in nodes if n != victim.name]
     assert all(report[n]["status"] == "ok" for n in survivors), report
     assert_every_byte_right(lab, survivors)
@@ -405,6 +411,13 @@ def test_a_node_frozen_half_way_through_its_own_mirror_is_reported_stalled(lab, 
     again = fleet(lab, "mirror", "--transport", "nas")
     assert again.code == 0, again.stderr
     assert_every_byte_right(lab)
+
+
+def bytes_written(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/io").read_text().split("wchar:")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def is_node_mirror(pid: int) -> bool:
