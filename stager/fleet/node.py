@@ -22,7 +22,7 @@ from stager.base import progress_pipe
 from stager.fleet.report import Progress
 from stager.manifest import Manifest
 
-# The Ray node label that carries a node's manifest name: how a task finds its node.
+# The Ray node label that carries a node's manifest name: how an actor or a task finds its node.
 LABEL = "stage-node"
 # A closing mirror may find the hub's lock still held for a moment by the node's relay.
 LOCK_WAIT = 30.0
