@@ -80,7 +80,8 @@ def test_verify_full_prints_the_pack_engram_that_repairs_an_unsampled_row(demo):
 
 def test_a_shard_changed_after_its_receipt_is_never_up_to_date(demo):
     """A row written over after packing: even a sampled pack-engram, whose rows miss it, sees that
-    the shard's sha256 is no longer SHA256SUMS's and repacks it."""
+    the shard's sha256 is no longer SHA256SUMS's and repacks it. The pack's seed is its own: in
+    about 1 run in 26 its 66 rows of ~1,668 include the damaged one, which then says so first."""
     engram = demo["engram"]
     shard = engram / "engram-l1-r0of3.bin"
     damage_row(shard, 901)
@@ -88,7 +89,9 @@ def test_a_shard_changed_after_its_receipt_is_never_up_to_date(demo):
     assert packed.code == 0, packed.stdout + packed.stderr
     verdicts = {Path(s["path"]).name: (s["skipped"], s["reason"]) for s in packed.json["shards"]}
     skipped, reason = verdicts["engram-l1-r0of3.bin"]
-    assert not skipped and "sha256" in reason and "changed after it was packed" in reason, verdicts
+    assert not skipped, verdicts
+    assert "sha256" in reason and "changed after it was packed" in reason \
+        or reason == "row 901 differs from the source", verdicts
     assert all(skip for name, (skip, _) in verdicts.items() if name != "engram-l1-r0of3.bin"), verdicts
     assert sums_check(engram).returncode == 0
 
