@@ -76,6 +76,15 @@ def open_files(pid: int) -> list[str]:
     return paths
 
 
+def bytes_written(pid: int) -> int:
+    """What `pid` has written so far (its `wchar` in /proc/PID/io), 0 once it is gone: a temp
+    file's size is no measure of a copy, which sizes the file whole before it writes."""
+    try:
+        return int(Path(f"/proc/{pid}/io").read_text().split("wchar:")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

@@ -5,6 +5,7 @@ sets one up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,14 +20,13 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import RAY_LOOPBACK, open_files, run_stage, sha256_file
+from conftest import RAY_LOOPBACK, bytes_written, open_files, run_stage, sha256_file
 from hubgen import Hub, random_safetensors
 from remote_fixtures import SshServer, hub_tree, load_offline, silent_port
 from stager.fleet import LABEL
@@ -639,15 +639,6 @@ def node_mirror_pid(manifest: Path, node: str) -> int | None:
         if str(manifest) in argv and any(argv[i:i + 3] == wanted for i in range(len(argv))):
             return int(pid)
     return None
-
-
-def bytes_written(pid: int) -> int:
-    """What the process has written so far (its `wchar`): a temp file's size is no measure, as
-    a copy sizes it whole before it writes."""
-    try:
-        return int(Path(f"/proc/{pid}/io").read_text().split("wchar:")[1].split()[0])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def parent_pid(pid: int) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import bytes_written
 from fleet_lab import MARK, NS_PREFIX, leftovers, present_runs, run
 from fleet_lab_fixtures import (WIRE_OVERHEAD, FleetRun, assert_every_byte_right,  # noqa: F401
                                 broadcast_sample_allowance, fleet, lab, lab_missing, mirror, sample_allowance)
@@ -411,13 +412,6 @@ def test_a_node_frozen_half_way_through_its_own_mirror_is_reported_stalled(lab, 
     again = fleet(lab, "mirror", "--transport", "nas")
     assert again.code == 0, again.stderr
     assert_every_byte_right(lab)
-
-
-def bytes_written(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/io").read_text().split("wchar:")[1].split()[0])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def is_node_mirror(pid: int) -> bool:
