@@ -28,20 +28,21 @@ AllowOpenOpt = Annotated[bool, typer.Option(
 
 def _run(command: str, nodes: Optional[str], timeout: float, allow_unauthenticated: bool, json: bool,
          manifest: Optional[str], **options) -> None:
-    from stager import fleet as core
+    from stager.fleet.driver import run_fleet
+    from stager.fleet.report import notes, table
     from stager.manifest import load_manifest
 
     names = [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None
     with terminal.live_lines(not json) as live:
-        report = core.run_fleet(load_manifest(manifest), command, names, timeout=timeout,
+        report = run_fleet(load_manifest(manifest), command, names, timeout=timeout,
                                 allow_unauthenticated=allow_unauthenticated, show=live, warn=terminal.note,
                                 **options)
-    for line in core.notes(report):
+    for line in notes(report):
         terminal.say(line)
     if json:
         terminal.emit_json(report.to_json())
     else:
-        for line in core.table(report, verbose=terminal.verbosity() >= terminal.VERBOSE):
+        for line in table(report, verbose=terminal.verbosity() >= terminal.VERBOSE):
             terminal.report(line)
     raise typer.Exit(report.exit_code)
 
@@ -142,7 +143,7 @@ def fleet_prune(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Prune every node (stage prune on each)."""
-    from stager.fleet import PruneOptions
+    from stager.fleet.options import PruneOptions
 
     _run("prune", nodes, timeout, allow_unauthenticated_cluster, json, manifest,
          prune=PruneOptions(dry_run, until_free, tuple(only or ())))

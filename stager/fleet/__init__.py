@@ -11,11 +11,7 @@ peers; `sftp_tree` is the SFTP peer tree (--fan-out), and `broadcast/` the pipel
 transports, which move and check bytes; `needs` is the driver's decision of who needs which file,
 and `choice` (with the agents' measures, `probe`) its choice, per group of files, between the
 broadcast and direct reads.
+
+Nothing is imported here: an agent's or a node command's Ray worker imports its own module by name
+(agent, node), and loading the driver's rooms with it cost every node 50 ms of CPU at its start.
 """
-
-from stager.fleet.driver import run_fleet
-from stager.fleet.options import PruneOptions
-from stager.fleet.node import LABEL, node_argv
-from stager.fleet.report import FleetReport, NodeRun, notes, table
-
-__all__ = ["LABEL", "FleetReport", "PruneOptions", "NodeRun", "node_argv", "notes", "run_fleet", "table"]

@@ -145,7 +145,7 @@ def test_expected_shards_cover_every_rank_of_the_node(tmp_path):
 
 
 def test_fleet_runs_every_rank_of_a_node(tmp_path):
-    from stager.fleet import node_argv
+    from stager.fleet.node import node_argv
 
     env = build(tmp_path, rows={1: 1_003, 14: 2_011}, ranks=[0, 1, 2], stage=False)
     argv = node_argv(load_manifest(env["manifest"]), "pack-engram", "dgx1")

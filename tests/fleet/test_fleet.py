@@ -29,7 +29,7 @@ import pytest
 from conftest import RAY_LOOPBACK, bytes_written, open_files, run_stage, sha256_file
 from hubgen import Hub, random_safetensors
 from remote_fixtures import SshServer, hub_tree, load_offline, silent_port
-from stager.fleet import LABEL
+from stager.fleet.node import LABEL
 from stager.base.lock import HUB_LOCK, LockTable
 from stager.base.units import format_size
 
@@ -501,7 +501,7 @@ def test_two_runs_at_once_for_the_same_hubs_both_end_staged_and_neither_writes_t
 # test on a pipe (argv[2]): never in a file, an argument or the environment.
 DRIVER_TELLING_ITS_KEY = r"""
 import json, os, sys
-from stager.fleet import run_fleet
+from stager.fleet.driver import run_fleet
 from stager.fleet.broadcast import chain
 from stager.manifest import load_manifest
 
@@ -932,7 +932,7 @@ def test_a_cluster_without_authentication_is_refused_unless_allowed(cluster, sta
 
 
 def test_stderr_warns_when_the_cluster_is_unauthenticated():
-    from stager.fleet import FleetReport, NodeRun, notes, table
+    from stager.fleet.report import FleetReport, NodeRun, notes, table
 
     run = NodeRun("dgx1", 0, "ok", seconds=1.0, problems=0)
     report = FleetReport("verify", (run,), 2.0, False, "dgx1:6379", cluster_auth="disabled")
@@ -996,7 +996,7 @@ def test_fleet_prune_passes_dry_run_until_free_and_only_to_every_node(staged, na
 
 
 def test_each_node_runs_the_node_local_command_with_its_own_rank(nas, sshd, tmp_path):
-    from stager.fleet import node_argv
+    from stager.fleet.node import node_argv
     from stager.manifest import load_manifest
 
     manifest = load_manifest(fleet_manifest(tmp_path / "m.toml", nas, tmp_path, sshd))
