@@ -16,6 +16,9 @@ fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test,fleet]'
+# The package's bytecode, as a non-editable install has it: under PYTHONDONTWRITEBYTECODE every
+# `stage` process the suite starts would compile each module again.
+.venv/bin/python -m compileall -q stager >/dev/null
 # A temp root of this run's own: another pytest on the machine never cleans it away under us,
 # and nothing of it outlives the run.
 base=$(mktemp -d "${TMPDIR:-/tmp}/stager-tests.XXXXXX")
