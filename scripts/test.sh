@@ -23,7 +23,7 @@ python3 -m venv .venv
 # and nothing of it outlives the run.
 base=$(mktemp -d "${TMPDIR:-/tmp}/stager-tests.XXXXXX")
 status=0
-pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25)
 if [ $# -gt 0 ]; then
   "${pytest[@]}" --basetemp "$base/t" "$@" || status=$?
 else
