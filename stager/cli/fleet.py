@@ -35,8 +35,7 @@ def _run(command: str, nodes: Optional[str], timeout: float, allow_unauthenticat
     names = [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None
     with terminal.live_lines(not json) as live:
         report = run_fleet(load_manifest(manifest), command, names, timeout=timeout,
-                                allow_unauthenticated=allow_unauthenticated, show=live, warn=terminal.note,
-                                **options)
+                           allow_unauthenticated=allow_unauthenticated, show=live, warn=terminal.note, **options)
     for line in notes(report):
         terminal.say(line)
     if json:
