@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -51,3 +53,16 @@ def test_a_command_past_its_budget_is_timed_out_at_the_budget():
     release.set()
     assert answer["timed_out"] and answer["code"] is None
     assert 0.3 <= answer["seconds"] < 5 and time.monotonic() - started < 5
+
+
+def test_a_nodes_actors_load_none_of_the_drivers_modules():
+    """A node's Ray worker imports its actor's module by name (agent, node); the package's
+    `__init__` once loaded the driver and the CLI's rooms with it, for every node at its start."""
+    driver_only = ("stager.fleet.driver", "stager.fleet.live", "stager.fleet.choice", "stager.fleet.sftp_tree",
+                   "stager.cli")
+    for module in ("stager.fleet.node", "stager.fleet.agent"):
+        loaded = subprocess.run(
+            [sys.executable, "-c", f"import sys, {module}; print(' '.join(sorted(sys.modules)))"],
+            capture_output=True, text=True, check=True).stdout.split()
+        assert module in loaded
+        assert [name for name in driver_only if name in loaded] == [], (module, loaded)
