@@ -30,7 +30,7 @@ else
   # Two workers for all but the namespace lab (tests/conftest.py groups them), then the lab
   # alone: its tests compare wall times, which another worker's load would skew.
   lab=tests/fleet/test_fleet_lab.py
-  "${pytest[@]}" -n 2 --dist loadgroup --basetemp "$base/t" --ignore "$lab" || status=$?
+  "${pytest[@]}" -n 2 --dist loadscope --basetemp "$base/t" --ignore "$lab" || status=$?
   "${pytest[@]}" --basetemp "$base/lab" "$lab" || status=$?
 fi
 rm -rf --one-file-system "$base"

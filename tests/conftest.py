@@ -157,11 +157,24 @@ def local_hub(tmp_path: Path) -> Path:
 # scripts/test.sh runs the suite on two xdist workers (the namespace lab after, alone): each module
 # whole on one worker, its module fixtures built once; every module that starts Ray on the same
 # worker, one after another, as their clusters, ports and session directories are machine-wide.
+# The grouping is a scheduler of our own: xdist's `loadgroup` marks name a test's group by
+# rewriting its node id, which pytest 9.2 no longer reads, and every test became a group of one.
 RAY_MODULES = {"tests/fleet/test_fleet.py", "tests/fleet/test_liveness.py", "tests/cli/test_fleet_cli.py",
                "tests/cli/test_docs_shell.py", "tests/fleet/test_fleet_lab.py"}
 
 
-def pytest_collection_modifyitems(items) -> None:
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
+def work_unit(nodeid: str) -> str:
+    """The group a test runs in: its module, or "ray" for every module that starts Ray."""
+    module = nodeid.split("::")[0]
+    return "ray" if module in RAY_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)  # the hook is xdist's: a run without xdist has no scheduler to make
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
