@@ -171,6 +171,8 @@ def work_unit(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)  # the hook is xdist's: a run without xdist has no scheduler to make
 def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "each":  # every test on every worker: nothing to group
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ByWorkUnit(LoadScopeScheduling):
