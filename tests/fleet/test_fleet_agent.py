@@ -63,6 +63,6 @@ def test_a_nodes_actors_load_none_of_the_drivers_modules():
     for module in ("stager.fleet.node", "stager.fleet.agent"):
         loaded = subprocess.run(
             [sys.executable, "-c", f"import sys, {module}; print(' '.join(sorted(sys.modules)))"],
-            capture_output=True, text=True, check=True).stdout.split()
+            capture_output=True, text=True, check=True, timeout=60).stdout.split()
         assert module in loaded
         assert [name for name in driver_only if name in loaded] == [], (module, loaded)

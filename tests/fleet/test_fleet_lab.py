@@ -434,7 +434,7 @@ def test_a_node_at_a_quarter_of_the_rate_does_not_hold_the_others_back(lab, clea
         lab.reshape(slow, lab.config.rate_mbit)
     assert run.code == 0, run.stderr
     assert_every_byte_right(lab)
-    landed = {n: round(landed_at(lab, n, started), 2) for n in nodes}
+    landed = {n: landed_at(lab, n, started) for n in nodes}
     others = max(seconds for n, seconds in landed.items() if n != slow)
     # What a failure needs to be read: when each node landed, the slow one too, who was moved, and
     # what each node read from the NAS (a head moved for silence: the next node reads the data).
