@@ -63,25 +63,28 @@ class NodeAgent:
         self.relay.send_limit = Throttle(bwlimit) if bwlimit else None
         self.phase = "plan"
         self.link = probe.LinkProbe()  # the driver's measure of the link into this node
-        self.copying = (0, 0, 0)  # the closing mirror's bar: (step, bytes done, bytes to do)
+        # The closing mirror's bar: (step, bytes done, bytes to do, when its bytes last grew).
+        self.copying: tuple[int, int, int, float | None] = (0, 0, 0, None)
 
     def progress(self) -> Progress:
         """What the node holds and where its bytes come from now, in its current phase: answered
         from counters, whatever its other calls are doing, so that an agent that does not answer
         is one that cannot (its processes stopped, its node hung), never one that is busy."""
-        step, done, total = self.copying
-        return replace(self.relay.progress(self.phase), copy_done=done, copy_total=total, step=step)
+        step, done, total, grew_at = self.copying
+        held = self.relay.progress(self.phase)
+        return replace(held, copy_done=done, copy_total=total, step=step,
+                       grew_at=grew_at if self.phase == "mirror" else held.grew_at)
 
     def _count(self, total: int) -> Callable[[int], None]:
         """The closing mirror's progress bar, kept for `progress` (a --full mirror has two: its
         hashing of the node's files, then its copy)."""
         step = self.copying[0] + 1
-        self.copying = (step, 0, total)
+        self.copying = (step, 0, total, None)
         lock = threading.Lock()
 
         def update(n: int) -> None:
             with lock:
-                self.copying = (step, self.copying[1] + n, total)
+                self.copying = (step, self.copying[1] + n, total, time.monotonic())
 
         return update
 

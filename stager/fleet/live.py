@@ -36,7 +36,7 @@ class NodeState:
     source: str | None = None  # where its bytes come from now: NAS, a peer's name
     done_bytes: int | None = None
     total_bytes: int | None = None
-    rate: float | None = None  # bytes per second over the last RATE_WINDOW
+    rate: float | None = None  # bytes per second over about the last RATE_WINDOW (Tracker._rate)
     seconds: float = 0.0  # since the run started; once ended, the node's own seconds
     ended: bool = False
 
@@ -96,7 +96,8 @@ class Tracker:
         self.tasks: dict[str, Progress] = {}  # node -> its node-local command's latest progress
         self.agents: dict[str, Progress] = {}  # node -> its agent's last answer seen
         self.as_tasks: set[str] = set()  # nodes whose node-local command ran in a NodeCommand
-        self.samples: dict[str, deque] = {}  # node -> (when, what it was doing, bytes done), for its rate
+        # node -> (what it was doing, read at, grew at, bytes done) of its recent answers, for its rate
+        self.samples: dict[str, deque] = {}
         self.drawn = 0.0
         self.ended: set[str] = set()
         self.direct: list[_Direct] = []
@@ -167,7 +168,7 @@ class Tracker:
                 return NodeState(node, f"running stage {self.command}", seconds=elapsed)
             doing = {"hash": "hashing", "mirror": "copying", "verify": "verifying"}.get(task.phase, task.phase)
             return self._moving(node, doing, task.source, task.copy_done, task.copy_total, (task.phase, task.step),
-                                now)
+                                task, now)
         if node in driver.pings.nodes():
             return NodeState(node, "agent died; asking its node", seconds=elapsed)
         agent = self.agents.get(node)
@@ -178,24 +179,38 @@ class Tracker:
         if agent.phase == "broadcast" and agent.total_bytes:
             source = NAS if agent.source == "nas" else agent.source
             return self._moving(node, "receiving" if source else "connecting", source, agent.done_bytes,
-                                agent.total_bytes, ("broadcast", agent.session), now)
+                                agent.total_bytes, ("broadcast", agent.session), agent, now)
         if agent.phase == "mirror" and agent.copy_total:
             copying = agent.step >= self.copy_step
             return self._moving(node, "copying" if copying else "hashing", NAS if copying else None, agent.copy_done,
-                                agent.copy_total, ("mirror", agent.step), now)
+                                agent.copy_total, ("mirror", agent.step), agent, now)
         return NodeState(node, "finishing" if agent.phase in ("mirror", "done") else "waiting", seconds=elapsed)
 
     def _moving(self, node: str, doing: str, source: str | None, done: int, total: int, what: tuple,
-                now: float) -> NodeState:
+                 progress: Progress, now: float) -> NodeState:
+        return NodeState(node, doing, source, done, total, self._rate(node, what, done, progress),
+                         now - self.started)
+
+    def _rate(self, node: str, what: tuple, done: int, progress: Progress) -> float | None:
+        """Bytes per second over about RATE_WINDOW, on the node's own clock: the bytes counted since
+        the instant the oldest kept count was reached, over the time from that instant to the
+        latest reading. Counts move in steps (a 1 MiB chunk, a progress line): a rate from one
+        reading to the next would count a chunk that landed just after the first reading as if
+        it took the whole interval (3 MiB/s shown at a 2 MiB/s --bwlimit). From an instant of
+        growth, only bytes that came after it count, so the rate never shows more than moved.
+        `what` is the phase the count belongs to: a new one starts a new window."""
         samples = self.samples.get(node)
-        if samples is None or samples[-1][1] != what:
+        if samples is None or (samples and samples[-1][0] != what):
             samples = self.samples[node] = deque()
-        samples.append((now, what, done))
-        while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW:
+        if progress.grew_at is None:
+            return None
+        if not samples or samples[-1][1] != progress.read_at:
+            samples.append((what, progress.read_at, progress.grew_at, done))
+        while len(samples) > 2 and progress.read_at - samples[1][1] >= RATE_WINDOW:
             samples.popleft()
-        first_at, _, first = samples[0]
-        rate = (done - first) / (now - first_at) if now - first_at >= 1.0 else None
-        return NodeState(node, doing, source, done, total, rate, now - self.started)
+        _, _, since, first = samples[0]
+        span = progress.read_at - since
+        return (done - first) / span if span >= 1.0 else None
 
     def _say_known(self, runs: dict[str, NodeRun]) -> None:
         for direct in self.direct:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 from stager.base import progress_pipe
 from stager.fleet.report import Progress
@@ -65,7 +66,8 @@ class NodeCommand:
         # stopped whole: its answer waits until it runs again, so the driver finds it silent.
         while counts.stopped():
             time.sleep(STOPPED_POLL)
-        return counts.latest
+        latest = counts.latest
+        return None if latest is None else replace(latest, read_at=time.monotonic())
 
 
 class CommandProgress:
@@ -112,8 +114,13 @@ class CommandProgress:
                 if counts is not None:
                     step, done, total = counts
                     phase = "hash" if step < self.copy_step else self.command
+                    # A line is written as its count is reached (progress_pipe), so its arrival
+                    # is when the bytes grew.
+                    last = self.latest
+                    grew_at = last.grew_at if last is not None and (last.step, last.copy_done) == (step, done) else (
+                        time.monotonic() if done else None)
                     self.latest = Progress(phase, source=self.source if phase == "mirror" else None, copy_done=done,
-                                           copy_total=total, step=step)
+                                           copy_total=total, step=step, grew_at=grew_at)
 
 
 def run_on_node(argv: list[str], timeout: float, progress: CommandProgress | None = None) -> dict:

@@ -54,9 +54,15 @@ class Progress:
     copy_done: int = 0
     copy_total: int = 0
     step: int = 0
+    # On the node's own clock (monotonic seconds): when these counts were read, and when the bytes
+    # its phase counts (done_bytes while it receives, copy_done in its mirror) last grew; None
+    # until they have. The live display takes a rate from the one to the other (live.py), and
+    # they mean nothing off the node, so the JSON leaves them out.
+    read_at: float = 0.0
+    grew_at: float | None = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key not in ("read_at", "grew_at")}
 
 
 @dataclass(frozen=True)

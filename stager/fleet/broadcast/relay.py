@@ -33,6 +33,7 @@ import posixpath
 import resource
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,7 @@ class Relay:
         self.sessions: dict[int, list[_Held]] = {}
         self.routes: dict[int, tuple] = {}  # session -> the chain as last rerouted by the driver
         self.feeds: dict[int, _Feed] = {}  # session -> where this node is receiving it from, while it is
+        self.grew_at: float | None = None  # when a chunk last landed here (Progress.grew_at)
         self.cpu_seconds = 0.0  # of the threads that receive and serve, as each ends
         self.spare: list[_Chunk] = []  # chunk buffers no file holds and no sender uses
         self.closed = False
@@ -185,7 +187,8 @@ class Relay:
                             landed_files=sum(held.sample is not None for held in files),
                             source=feed.source if feed is not None else None, session=number,
                             chunks=sum(chunks_in(held.size) if held.lost else len(held.macs)
-                                       for held in self.sessions.get(number, ())))
+                                       for held in self.sessions.get(number, ())),
+                            read_at=time.monotonic(), grew_at=self.grew_at)
 
     def reroute(self, number: int, chain: tuple[tuple[str, str, int], ...]) -> None:
         """A new order for the session's chain (a laggard moved to the tail): this node takes
@@ -546,6 +549,7 @@ class _Feed:
             with relay.cond:
                 held.macs[number] = mac
                 held.have += len(view)
+                relay.grew_at = time.monotonic()
                 relay.keep_recent(held, number, chunk, self.kept)
                 relay.cond.notify_all()
         return from_peer, hashed
