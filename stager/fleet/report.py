@@ -79,7 +79,10 @@ class Delivery:
     fallbacks: tuple[dict, ...] = ()
     bad_senders: tuple[str, ...] = ()
     refused: tuple[dict, ...] = ()
-    moved_to_tail: bool = False  # it fell behind its upstream, and the chain was reordered around it
+    # The chain was reordered around it, and why: it fell behind its upstream, went silent while
+    # the node after it starved, or its relay died.
+    moved_to_tail: bool = False
+    moved_why: str | None = None
     # The CPU its relay's threads used (receive, check, write, serve), so that a relay's cost per
     # GB can be told apart from its node's process starts and walks; None without a relay.
     relay_cpu_seconds: float | None = None
@@ -90,7 +93,8 @@ class Delivery:
         return {"transport": self.transport, "peer_bytes": self.peer_bytes, "nas_bytes": self.nas_bytes,
                 "sources": list(self.sources), "fallbacks": list(self.fallbacks),
                 "bad_senders": list(self.bad_senders), "refused_connections": list(self.refused),
-                "moved_to_tail": self.moved_to_tail, "relay_cpu_seconds": self.relay_cpu_seconds}
+                "moved_to_tail": self.moved_to_tail, "moved_why": self.moved_why,
+                "relay_cpu_seconds": self.relay_cpu_seconds}
 
 
 @dataclass(frozen=True)
@@ -352,7 +356,8 @@ def table(report: FleetReport, problems_per_node: int = 5, verbose: bool = False
         if got is None:
             continue
         if got.moved_to_tail:
-            lines.append(f"  {run.node}: fell behind its upstream and was moved to the tail of the chain")
+            why = f"{got.moved_why}; " if got.moved_why else ""
+            lines.append(f"  {run.node}: {why}it was moved to the tail of the chain")
         if got.bad_senders:
             lines.append(f"  {run.node}: refused chunks that failed the run's key from {', '.join(got.bad_senders)}"
                          " and fetched them again")

@@ -446,6 +446,35 @@ def test_a_node_moved_while_silent_is_told_the_order_once_it_answers_again():
     assert len(route.relays["b"].reroutes) == 1
 
 
+def test_a_silent_node_is_moved_only_once_the_node_after_it_stops_receiving():
+    """The head answers nothing for 3 s while b, after it, still lands chunks: its looks were lost
+    on a full link, its relay sends, and it stays the head (moved, it would hand the NAS read to
+    b, whatever b's link). Once b has received nothing for HELD_BACK, the head is moved, and the
+    row says why. A node after it that is itself late to answer proves nothing either way."""
+    from stager.fleet.broadcast.chain import HELD_BACK, _Route
+    from stager.fleet.report import Progress
+
+    names = ["a", "b", "c"]
+    route = _Route({name: _FakeRelay(Call()) for name in names},
+                   Session(0, (Share("blobs/x", "blobs/x", 64 * CHUNK),), tuple((n, "h", 0) for n in names)))
+
+    def watch(b_grew_ago: float | None, lagging: set[str] = frozenset(), stalled: tuple = ()):
+        answer = Progress("broadcast", session=0, chunks=9, read_at=500.0,
+                          grew_at=None if b_grew_ago is None else 500.0 - b_grew_ago)
+        return SimpleNamespace(latest={"b": answer, "c": Progress("broadcast", session=0)},
+                               stalled=dict.fromkeys(stalled), silent_for=lambda seconds: set(lagging))
+
+    for receiving in (watch(0.3), watch(HELD_BACK - 0.1)):
+        assert route.still_sending({"a"}, receiving) == {"a"}
+        route.around({"a"}, {"b", "c"}, route.still_sending({"a"}, receiving))
+        assert [hop[0] for hop in route.chain] == names and not route.why_moved
+    for starved in (watch(HELD_BACK + 0.1), watch(None), watch(0.3, lagging={"b"}), watch(0.3, stalled=("a",))):
+        assert route.still_sending({"a"}, starved) == set()
+    route.around({"a"}, {"b", "c"}, route.still_sending({"a"}, watch(HELD_BACK + 0.5)))
+    assert [hop[0] for hop in route.chain] == ["b", "c", "a"]
+    assert route.why_moved == {"a": "it answered nothing for 3s while the node after it received nothing"}
+
+
 def test_a_relay_that_dies_is_moved_out_of_the_chain_at_once():
     """b dies (its run fails as Ray fails a dead actor's call) while c and d still receive: both
     are told at once of an order with b at the tail, and b is done with why. Left where it stood,

@@ -31,6 +31,14 @@ LAG_FRACTION = 0.5
 # agent answers within milliseconds however slow its link or disk (docs/fleet.md): slowness is the
 # laggard rule's, never this one's. Before, the downstream waited 15 s (upstream.STALL_TIMEOUT).
 SILENT_REROUTE = 3.0
+# ... unless the node after it is still receiving from it: it has received a chunk within this
+# long before its latest answer, and has answered within this long. A relay that sends is not
+# frozen, whatever its answers do: on a link the data fills to dropping, the driver's look and
+# its answer are packets behind the chunks, and TCP's backoff after a loss can hold them for
+# seconds. Moved then, a busy head hands the NAS read to the node after it, however slow that
+# node's link. A frozen node's downstream stops within its send buffer's drain: at once on the
+# lab's links.
+HELD_BACK = 2.0
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
 # of nothing received made the node just rerouted off a laggard look like one (the lab saw it).
 REROUTE_GRACE = 3.0
@@ -124,7 +132,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
                             timeout=max(0.0, min(watch.next_look(), deadline - time.monotonic())))
         watch.look()
         silent = set(watch.stalled) | watch.silent_for(SILENT_REROUTE)
-        route.around(silent, set(running.values()) - silent)
+        route.around(silent, set(running.values()) - silent, route.still_sending(silent, watch))
         running = {ref: name for ref, name in running.items() if name not in watch.stalled}
         if not ready:
             if time.monotonic() >= deadline:
@@ -146,7 +154,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
                 watch.forget(name)
                 # Out of the others' way: counted as holding everything where it stood, it made
                 # the node after it look far behind, and the laggard rule moved that one.
-                route.around({name}, set(running.values()))
+                route.around({name}, set(running.values()), why="its relay died")
         else:
             mine = stats[name]
             for field in ("peer_bytes", "nas_bytes", "landed_files"):
@@ -156,8 +164,8 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
             mine["bad_senders"] = sorted(set(mine["bad_senders"]) | set(got["bad_senders"]))
         if last[name] == session.number or name in gone:  # a dead node is in no later session
             done(name, gone.get(name))
-    for name in route.moved:
-        stats[name]["moved_to_tail"] = True
+    for name, why in route.why_moved.items():
+        stats[name]["moved_to_tail"] = why
 
 
 class _Route:
@@ -166,9 +174,9 @@ class _Route:
     of the chain, and the node that was taking chunks from it hangs up at once and takes them from
     its upstream instead (the relay's reroute); there the last node serves it from disk. A laggard,
     once, and never the head (it reads the NAS for everyone). A node silent for SILENT_REROUTE, the
-    head too (the next node then reads the NAS), whenever an answering node comes after it: nobody
-    takes anything from it meanwhile, and if it answers again it is served at the tail as a laggard
-    is.
+    head too (the next node then reads the NAS), whenever an answering node comes after it and the
+    node right after it has stopped receiving (HELD_BACK): nobody takes anything from it
+    meanwhile, and if it answers again it is served at the tail as a laggard is.
 
     Laggards are judged by rate, not by chunks held: a node just rerouted off a laggard starts that
     laggard's distance behind its new upstream and keeps it while both receive at full speed. Judged
@@ -197,20 +205,39 @@ class _Route:
         self.head_tried = False  # a node was moved from right after the head (see above)
         self.after_head = 0.0  # the best rate a node right after the head has received at
         self.untold: set[str] = set()  # moved while silent: told the order once it answers again
+        self.why_moved: dict[str, str] = {}  # every node moved, and why, for its row
 
-    def around(self, silent: set[str], answering: set[str]) -> None:
+    def around(self, silent: set[str], answering: set[str], sending: set[str] = frozenset(),
+               why: str = f"it answered nothing for {SILENT_REROUTE:g}s while the node after it received nothing") -> None:
         """Move each silent (or dead) node that a running, answering node still comes after to the
-        tail. One that answers again (silent for less than liveness.SILENCE) is told the order
-        then: it would go on taking its chunks from its old upstream, whose uplink then carries
-        them twice, to it and to the node rerouted onto that upstream in its place."""
+        tail, but one still `sending` (still_sending). One that answers again (silent for less
+        than liveness.SILENCE) is told the order then: it would go on taking its chunks from its
+        old upstream, whose uplink then carries them twice, to it and to the node rerouted onto
+        that upstream in its place."""
         for name in sorted(self.untold & answering):
             self.untold.discard(name)
             self.relays[name].reroute.remote(self.session.number, self.chain)
-        for name in [name for name, _, _ in self.chain if name in silent]:
+        for name in [name for name, _, _ in self.chain if name in silent and name not in sending]:
             names = [hop[0] for hop in self.chain]
             if answering & set(names[names.index(name) + 1:]):
                 self._to_tail(name, answering, time.monotonic())
                 self.untold.add(name)
+                self.why_moved[name] = why
+
+    def still_sending(self, silent: set[str], watch: Watch) -> set[str]:
+        """The silent nodes, not stalled, whose next node in the chain answers and is still
+        receiving: it answered within HELD_BACK, and its last chunk had landed less than HELD_BACK
+        before that answer (both times on its own clock, Progress.grew_at)."""
+        names = [hop[0] for hop in self.chain]
+        lagging = watch.silent_for(HELD_BACK)
+        sending = set()
+        for name in silent - set(watch.stalled):
+            after = names[names.index(name) + 1] if name in names[:-1] else None
+            answer = watch.latest.get(after)
+            if (after is not None and after not in lagging and answer is not None and answer.grew_at is not None
+                    and answer.read_at - answer.grew_at < HELD_BACK):
+                sending.add(name)
+        return sending
 
     def check(self, running: set[str], watch: Watch) -> None:
         """The laggard rule, on the latest look every running node answered."""
@@ -237,6 +264,7 @@ class _Route:
         if name is not None:
             self.head_tried |= name == names[1]
             self.moved.add(name)
+            self.why_moved[name] = "it fell behind its upstream"
             self._to_tail(name, running, now)
 
     def _held(self, progress: Progress) -> int:
