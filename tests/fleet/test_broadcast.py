@@ -447,32 +447,41 @@ def test_a_node_moved_while_silent_is_told_the_order_once_it_answers_again():
 
 
 def test_a_silent_node_is_moved_only_once_the_node_after_it_stops_receiving():
-    """The head answers nothing for 3 s while b, after it, still lands chunks: its looks were lost
-    on a full link, its relay sends, and it stays the head (moved, it would hand the NAS read to
-    b, whatever b's link). Once b has received nothing for HELD_BACK, the head is moved, and the
-    row says why. A node after it that is itself late to answer proves nothing either way."""
+    """The head answers nothing for 3 s while b, after it, still lands chunks at the chain's pace:
+    its looks were lost on a full link, its relay sends, and it stays the head (moved, it would
+    hand the NAS read to b, whatever b's link). Once b has received nothing for HELD_BACK, or
+    receives at a laggard's pace (a slow node whose own answers are late on its full link), the
+    silent node is moved, and the row says why. Without a rate to judge by yet, or when the node
+    after it is itself late to answer, silence moves it as it always did."""
     from stager.fleet.broadcast.chain import HELD_BACK, _Route
     from stager.fleet.report import Progress
 
     names = ["a", "b", "c"]
     route = _Route({name: _FakeRelay(Call()) for name in names},
                    Session(0, (Share("blobs/x", "blobs/x", 64 * CHUNK),), tuple((n, "h", 0) for n in names)))
+    route.peaks = {"a": 40.0, "b": 4.0, "c": 4.0}  # the head reads a fast NAS: its rate is no link's
 
-    def watch(b_grew_ago: float | None, lagging: set[str] = frozenset(), stalled: tuple = ()):
-        answer = Progress("broadcast", session=0, chunks=9, read_at=500.0,
-                          grew_at=None if b_grew_ago is None else 500.0 - b_grew_ago)
-        return SimpleNamespace(latest={"b": answer, "c": Progress("broadcast", session=0)},
-                               stalled=dict.fromkeys(stalled), silent_for=lambda seconds: set(lagging))
+    def watch(grew_ago: float | None = 0.3, pace: float = 4.0, lagging: set[str] = frozenset(),
+              stalled: tuple = ()):
+        """b's last three answers, a second apart on its clock, at `pace` chunks a second."""
+        answers = {number: Progress("broadcast", session=0, chunks=int(10 + pace * number), read_at=500.0 + number,
+                                    grew_at=None if grew_ago is None else 500.0 + number - grew_ago)
+                   for number in range(3)}
+        return SimpleNamespace(by_look={"b": answers}, stalled=dict.fromkeys(stalled),
+                               silent_for=lambda seconds: set(lagging))
 
-    for receiving in (watch(0.3), watch(HELD_BACK - 0.1)):
+    for receiving in (watch(), watch(grew_ago=HELD_BACK - 0.1), watch(pace=2.5)):
         assert route.still_sending({"a"}, receiving) == {"a"}
         route.around({"a"}, {"b", "c"}, route.still_sending({"a"}, receiving))
         assert [hop[0] for hop in route.chain] == names and not route.why_moved
-    for starved in (watch(HELD_BACK + 0.1), watch(None), watch(0.3, lagging={"b"}), watch(0.3, stalled=("a",))):
+    for starved in (watch(grew_ago=HELD_BACK + 0.1), watch(grew_ago=None), watch(pace=1.5),
+                    watch(lagging={"b"}), watch(stalled=("a",))):
         assert route.still_sending({"a"}, starved) == set()
-    route.around({"a"}, {"b", "c"}, route.still_sending({"a"}, watch(HELD_BACK + 0.5)))
+    route.peaks = {}
+    assert route.still_sending({"a"}, watch()) == set()
+    route.around({"a"}, {"b", "c"}, route.still_sending({"a"}, watch(grew_ago=HELD_BACK + 0.5)))
     assert [hop[0] for hop in route.chain] == ["b", "c", "a"]
-    assert route.why_moved == {"a": "it answered nothing for 3s while the node after it received nothing"}
+    assert route.why_moved == {"a": "it answered nothing for 3s while the node after it received little or nothing"}
 
 
 def test_a_relay_that_dies_is_moved_out_of_the_chain_at_once():

@@ -31,14 +31,15 @@ LAG_FRACTION = 0.5
 # agent answers within milliseconds however slow its link or disk (docs/fleet.md): slowness is the
 # laggard rule's, never this one's. Before, the downstream waited 15 s (upstream.STALL_TIMEOUT).
 SILENT_REROUTE = 3.0
-# ... unless the node after it is still receiving from it: it has received a chunk within this
-# long before its latest answer, and has answered within this long. A relay that sends is not
-# frozen, whatever its answers do: on a link the data fills to dropping, the driver's look and
-# its answer are packets behind the chunks, and TCP's backoff after a loss can hold them for
-# seconds. Moved then, a busy head hands the NAS read to the node after it, however slow that
-# node's link. A frozen node's downstream stops within its send buffer's drain: at once on the
-# lab's links.
+# ... unless the node after it is still receiving from it at a healthy pace: it has received a
+# chunk within this long before its latest answer, has answered within this long, and receives at
+# better than a laggard's pace (_Route.still_sending). A relay that sends is not frozen, whatever
+# its answers do: on a link the data fills to dropping, the driver's look and its answer are
+# packets behind the chunks, and TCP's backoff after a loss can hold them for seconds. Moved
+# then, a busy head hands the NAS read to the node after it, however slow that node's link. A
+# frozen node's downstream stops within its send buffer's drain: at once on the lab's links.
 HELD_BACK = 2.0
+SILENT_WHY = f"it answered nothing for {SILENT_REROUTE:g}s while the node after it received little or nothing"
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
 # of nothing received made the node just rerouted off a laggard look like one (the lab saw it).
 REROUTE_GRACE = 3.0
@@ -208,7 +209,7 @@ class _Route:
         self.why_moved: dict[str, str] = {}  # every node moved, and why, for its row
 
     def around(self, silent: set[str], answering: set[str], sending: set[str] = frozenset(),
-               why: str = f"it answered nothing for {SILENT_REROUTE:g}s while the node after it received nothing") -> None:
+               why: str = SILENT_WHY) -> None:
         """Move each silent (or dead) node that a running, answering node still comes after to the
         tail, but one still `sending` (still_sending). One that answers again (silent for less
         than liveness.SILENCE) is told the order then: it would go on taking its chunks from its
@@ -225,17 +226,25 @@ class _Route:
                 self.why_moved[name] = why
 
     def still_sending(self, silent: set[str], watch: Watch) -> set[str]:
-        """The silent nodes, not stalled, whose next node in the chain answers and is still
-        receiving: it answered within HELD_BACK, and its last chunk had landed less than HELD_BACK
-        before that answer (both times on its own clock, Progress.grew_at)."""
+        """The silent nodes, not stalled, whose next node in the chain is still receiving from them
+        at a healthy pace: it answered within HELD_BACK; its last chunk had landed less than
+        HELD_BACK before that answer; and over its answers kept (a few seconds, on its own clock)
+        it received at no less than LAG_FRACTION of the best rate any node has received at. A
+        slow node whose own answers are late on its full link still trickles chunks to the next
+        node: it is moved, as a laggard would be."""
         names = [hop[0] for hop in self.chain]
         lagging = watch.silent_for(HELD_BACK)
+        best = max((rate for node, rate in self.peaks.items() if node != names[0]), default=0.0)  # not the NAS's
         sending = set()
         for name in silent - set(watch.stalled):
             after = names[names.index(name) + 1] if name in names[:-1] else None
-            answer = watch.latest.get(after)
-            if (after is not None and after not in lagging and answer is not None and answer.grew_at is not None
-                    and answer.read_at - answer.grew_at < HELD_BACK):
+            answers = sorted(watch.by_look.get(after, {}).items()) if after is not None else []
+            if not best or after in lagging or len(answers) < 2:
+                continue
+            (_, first), (_, last) = answers[0], answers[-1]
+            span = last.read_at - first.read_at
+            rate = (self._held(last) - self._held(first)) / span if span >= 1.0 else 0.0
+            if last.grew_at is not None and last.read_at - last.grew_at < HELD_BACK and rate >= LAG_FRACTION * best:
                 sending.add(name)
         return sending
 
