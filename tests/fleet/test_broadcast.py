@@ -516,6 +516,19 @@ def test_a_relay_that_dies_is_moved_out_of_the_chain_at_once():
     assert relays["d"].reroutes and relays["a"].reroutes and not relays["b"].reroutes
     assert stats["b"]["error"] == "relay failed: The actor is unavailable"
     assert sorted(name for name, _ in finished) == ["a", "b", "c", "d"]
+    # Its row says it was moved, and why; the others were not moved.
+    assert stats["b"]["moved_why"] == "its relay died" and not any("moved_why" in stats[n] for n in "acd")
+    from stager.fleet.driver import with_delivery
+    from stager.fleet.report import FleetReport, NodeRun, table
+
+    manifest = SimpleNamespace(nas=SimpleNamespace(hub="/nas/hf/hub"))
+    runs = tuple(with_delivery(manifest, NodeRun(name, 0, "ok"), "broadcast", stats[name]) for name in "abcd")
+    report = FleetReport("mirror", runs, 1.0, False, "dgx1:6379", transport="broadcast")
+    rows = report.to_json()["nodes"]
+    assert {n: (rows[n]["moved_to_tail"], rows[n]["moved_why"]) for n in "abcd"} == {
+        "a": (False, None), "b": (True, "its relay died"), "c": (False, None), "d": (False, None)}
+    assert [line for line in table(report) if "moved" in line] == [
+        "  b: its relay died; it was moved to the tail of the chain"]
 
 
 # ---- K streams per hop -------------------------------------------------------------------------------

@@ -68,8 +68,9 @@ def broadcast(ray, manifest: Manifest, relays: dict,
     """Open the relays of the nodes in `relays` (Ray actors pinned to them, offering the relay's
     calls), then (while they open) ask `plan` for the sessions, then run every session's chain.
     Returns per node {peer_bytes, nas_bytes, landed_files, upstreams, fallbacks, bad_senders, refused,
-    relay_cpu_seconds, error}. The key and run id are minted here and go to the relays as arguments of `open`, over
-    Ray's authenticated channel, and nowhere else.
+    relay_cpu_seconds, error}, and moved_why for a node moved to the tail. The key and run id are
+    minted here and go to the relays as arguments of `open`, over Ray's authenticated channel, and
+    nowhere else.
 
     `done(name, gone)` is called as soon as a node has no more to receive: its relay has let go of
     the hub's lock by then (it goes on serving its downstream from what it wrote), so the node's own
@@ -166,7 +167,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
         if last[name] == session.number or name in gone:  # a dead node is in no later session
             done(name, gone.get(name))
     for name, why in route.why_moved.items():
-        stats[name]["moved_to_tail"] = why
+        stats[name]["moved_why"] = why
 
 
 class _Route:
@@ -176,8 +177,9 @@ class _Route:
     its upstream instead (the relay's reroute); there the last node serves it from disk. A laggard,
     once, and never the head (it reads the NAS for everyone). A node silent for SILENT_REROUTE, the
     head too (the next node then reads the NAS), whenever an answering node comes after it and the
-    node right after it has stopped receiving (HELD_BACK): nobody takes anything from it
-    meanwhile, and if it answers again it is served at the tail as a laggard is.
+    node right after it is not still receiving from it at a healthy pace (still_sending): nobody
+    takes anything from it meanwhile, and if it answers again it is served at the tail as a
+    laggard is.
 
     Laggards are judged by rate, not by chunks held: a node just rerouted off a laggard starts that
     laggard's distance behind its new upstream and keeps it while both receive at full speed. Judged
@@ -234,7 +236,8 @@ class _Route:
         node: it is moved, as a laggard would be."""
         names = [hop[0] for hop in self.chain]
         lagging = watch.silent_for(HELD_BACK)
-        best = max((rate for node, rate in self.peaks.items() if node != names[0]), default=0.0)  # not the NAS's
+        # The head's rate is its NAS read's, which on a fast NAS no link carries.
+        best = max((rate for node, rate in self.peaks.items() if node != names[0]), default=0.0)
         sending = set()
         for name in silent - set(watch.stalled):
             after = names[names.index(name) + 1] if name in names[:-1] else None
