@@ -187,6 +187,7 @@ class Probes:
         self.ray, self.agents, self.watch, self.told = ray, agents, watch, told
         self.links: dict = {}  # the link probes still out: ObjectRef -> the node pulling
         self.link_rates: dict[str, float] = {}
+        self._payloads: dict = {}
         names = list(agents)
         if told.relay_rate is None and len(names) >= 2:
             # Each node after the head pulls from the one before it, all at the same time. The
@@ -224,6 +225,25 @@ class Probes:
         if not nas_each and nas_alone is not None and pace is not None and nas_alone > NAS_MARGIN * pace:
             nas_each, ceiling = self._nas_each(names, largest, data)  # the CPU, not the link, holds the chain back
         return Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, cpu=cpu, ceiling=ceiling, told=keys)
+
+    def known_links(self) -> dict[str, float]:
+        """The links measured so far, without waiting (told: relay_rate for every node): for the
+        chain, which judges its head by them (chain._Route._slow_head)."""
+        if self.told.relay_rate is not None:
+            return {name: float(self.told.relay_rate) for name in self.agents}
+        if self.links:
+            ready, _ = self.ray.wait(list(self.links), num_returns=len(self.links), timeout=0)
+            for ref in ready:
+                name = self.links.pop(ref)
+                try:
+                    rate = self.ray.get(ref)
+                except Exception:  # noqa: BLE001 - a pull that failed measured nothing
+                    continue
+                if isinstance(rate, float):
+                    self.link_rates[name] = rate
+            if not self.links:
+                self._payloads = {}  # the payloads leave the object stores
+        return dict(self.link_rates)
 
     def _nas_outruns(self, names: list[str], nas_alone: float, ceiling: dict[str, float]) -> bool:
         """Whether the NAS, read by the head alone, is NAS_MARGIN times faster than what the chain

@@ -161,13 +161,14 @@ def broadcast_shared(driver: "Driver", names: list[str], told: BroadcastOptions)
     watch = driver.watch_agents(start_agents(driver.ray, os.path.abspath(manifest.path), able, secrets.randbits(32),
                                              full=told.full, bwlimit=told.bwlimit, streams=told.streams,
                                              where=driver.where))
-    probes = Probes(driver.ray, driver.agents, watch, manifest.fleet) if driver.choosing else None
+    # The links are measured whether or not the driver chooses: the chain judges its head by them.
+    probes = Probes(driver.ray, driver.agents, watch, manifest.fleet)
 
     def plan():
         refs = {driver.agents[name].plan.remote(driver.budget()): name for name in able}
         answers = gather(driver.ray, refs, watch, driver.deadline)  # a stalled node's plan is not waited for
         groups = shared_files(manifest, {name: driver.node_run(answer, name) for name, answer in answers.items()})
-        if probes is None:
+        if not driver.choosing:
             return groups
         rates = probes.rates(groups)
         driver.choice = Choice(tuple(choose(groups, rates)), rates)
@@ -178,7 +179,7 @@ def broadcast_shared(driver: "Driver", names: list[str], told: BroadcastOptions)
     # Each node's closing mirror starts as soon as its relay has its last file: a slow node at the
     # chain's tail once held back every other node's refs until it was done.
     return broadcast(driver.ray, manifest, driver.agents, plan, deadline=driver.deadline - reserve, ports=told.ports,
-                     done=driver.finish, watch=watch)
+                     done=driver.finish, watch=watch, links=probes.known_links)
 
 
 def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: dict | None) -> NodeRun:

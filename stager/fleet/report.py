@@ -80,7 +80,8 @@ class Delivery:
     bad_senders: tuple[str, ...] = ()
     refused: tuple[dict, ...] = ()
     # The chain was reordered around it, and why: it fell behind its upstream, went silent while
-    # the node after it received little or nothing, or its relay died.
+    # the node after it received little or nothing, was a head slower than the links, or its
+    # relay died.
     moved_to_tail: bool = False
     moved_why: str | None = None
     # The CPU its relay's threads used (receive, check, write, serve), so that a relay's cost per

@@ -376,15 +376,17 @@ class _FakeRelay:
         self.reroute = SimpleNamespace(remote=lambda number, chain: self.reroutes.append(chain))
 
 
-def _route_after(pace: dict[str, float], looks: int = 40, total: int = 4000):
+def _route_after(pace: dict[str, float], looks: int = 40, total: int = 4000, links: dict[str, float] | None = None):
     """The chain's _Route after `looks` looks a second apart, each node receiving `pace` chunks a
-    second (the head: reading the NAS), never past its upstream in the order of the moment."""
+    second (the head: reading the NAS), never past its upstream in the order of the moment.
+    `links`: the driver's link probes, bytes a second into each node from the one before it."""
     from stager.fleet.broadcast.chain import _Route
     from stager.fleet.report import Progress
 
     names = list(pace)
     route = _Route({name: _FakeRelay(Call()) for name in names},
-                   Session(0, (Share("blobs/x", "blobs/x", total * CHUNK),), tuple((n, "h", 0) for n in names)))
+                   Session(0, (Share("blobs/x", "blobs/x", total * CHUNK),), tuple((n, "h", 0) for n in names)),
+                   lambda: dict(links or {}))
     held = dict.fromkeys(names, 0.0)
     for step in range(looks):
         order = [hop[0] for hop in route.chain]
@@ -410,6 +412,28 @@ def test_a_head_that_reads_the_nas_faster_than_the_links_moves_no_node_but_one_t
     # On the usual cluster the head reads at a link's rate, and a slow node after it goes.
     route = _route_after({"a": 1.5, "b": 0.4, "c": 1.5, "d": 1.5})
     assert route.moved == {"b"}, route.chain
+
+
+def test_a_head_slower_than_the_links_between_the_others_is_moved_once_from_its_first_second_on():
+    """The laggard rule never judges the head: a head at a quarter of the rate held every node at
+    its pace. It is judged by the links the driver measured between the other nodes (the pull
+    into the node after it crossed the head's own link), from the second look at which it has
+    landed chunks, and moved once; the next node then reads the NAS, and nobody else is moved.
+    A head at the links' pace, or landing far faster on a fast NAS, stays; without link measures
+    nothing is judged."""
+    from stager.fleet.broadcast.chain import SLOW_HEAD_WHY
+
+    links = {"b": 3 * MiB, "c": 12.5 * MiB, "d": 12.5 * MiB}
+    for looks in (2, 40):
+        route = _route_after({"a": 3.0, "b": 12.0, "c": 12.0, "d": 12.0}, looks=looks, links=links)
+        assert [hop[0] for hop in route.chain] == ["b", "c", "d", "a"], (looks, route.chain)
+        assert route.why_moved == {"a": SLOW_HEAD_WHY}
+    assert _route_after({"a": 3.0, "b": 12.0, "c": 12.0, "d": 12.0}, looks=1, links=links).why_moved == {}
+    for pace, told in (({"a": 12.0, "b": 12.0, "c": 12.0, "d": 12.0}, links),
+                       ({"a": 20.0, "b": 1.5, "c": 1.5, "d": 1.5}, dict.fromkeys("bcd", 1.5 * MiB)),
+                       ({"a": 3.0, "b": 12.0, "c": 12.0, "d": 12.0}, None)):
+        route = _route_after(pace, links=told)
+        assert "a" not in route.why_moved and route.chain[0][0] == "a", (pace, route.chain)
 
 
 def test_a_node_moved_to_the_tail_is_told_the_new_order_and_leaves_its_old_upstream():

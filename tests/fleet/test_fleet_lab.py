@@ -442,6 +442,33 @@ def test_a_node_at_a_quarter_of_the_rate_does_not_hold_the_others_back(lab, clea
         n: {key: run.report["nodes"][n][key] for key in ("moved_to_tail", "sources", "nas_bytes")} for n in nodes})
 
 
+def test_a_head_at_a_quarter_of_the_rate_is_moved_and_the_others_land_well_before_it(lab, clean_broadcast):
+    """The first node of the manifest, the chain's head, reads the NAS for everyone: at a quarter
+    of the rate it held every node at its pace (all three landed at 25.8 s, clean 9.2 s), since
+    the laggard rule never judges the head. Now the head is judged by the links the driver measured
+    between the other nodes, from its first second of landing on, and moved to the tail: the next
+    node reads the NAS. The others land well before it, and are told why it moved. They still pay
+    its first seconds (1.4-1.6x the clean run on the lab, docs/fleet.md)."""
+    nodes = list(lab.nodes)
+    slow = nodes[0]
+    lab.reshape(slow, lab.config.rate_mbit / 4)
+    try:
+        started = time.time()
+        run = broadcast(lab)
+    finally:
+        lab.reshape(slow, lab.config.rate_mbit)
+    assert run.code == 0, run.stderr
+    assert_every_byte_right(lab)
+    landed = {n: landed_at(lab, n, started) for n in nodes}
+    others = max(seconds for n, seconds in landed.items() if n != slow)
+    rows = {n: {key: run.report["nodes"][n][key] for key in ("moved_to_tail", "moved_why", "sources", "nas_bytes")}
+            for n in nodes}
+    assert rows[slow]["moved_why"] == "as the chain's head it read and passed on the data at less than half of what " \
+                                      "the links carry", rows
+    assert others <= 0.8 * landed[slow] and others <= 1.8 * clean_broadcast.landed + 2.0, (
+        landed, clean_broadcast.landed, run.seconds, rows)
+
+
 # ---- never slower than direct reads: the driver's choice (fleet/choice.py) ---------------------------
 
 def test_told_nothing_the_driver_keeps_the_broadcast_on_the_usual_lab(lab):

@@ -15,7 +15,7 @@ from typing import Callable
 
 from stager.base.errors import StageError
 from stager.fleet.broadcast.keys import mint
-from stager.fleet.broadcast.relay import Session, Share, chunks_in
+from stager.fleet.broadcast.relay import CHUNK, Session, Share, chunks_in
 from stager.fleet.liveness import START, Watch, gather
 from stager.fleet.report import Progress
 from stager.manifest import Manifest
@@ -39,6 +39,7 @@ SILENT_REROUTE = 3.0
 # then, a busy head hands the NAS read to the node after it, however slow that node's link. A
 # frozen node's downstream stops within its send buffer's drain: at once on the lab's links.
 HELD_BACK = 2.0
+SLOW_HEAD_WHY = "as the chain's head it read and passed on the data at less than half of what the links carry"
 SILENT_WHY = f"it answered nothing for {SILENT_REROUTE:g}s while the node after it received little or nothing"
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
 # of nothing received made the node just rerouted off a laggard look like one (the lab saw it).
@@ -64,7 +65,8 @@ def bind_host(address: str) -> str:
 def broadcast(ray, manifest: Manifest, relays: dict,
               plan: Callable[[], list[tuple[tuple[str, ...], tuple[Share, ...]]]], *,
               deadline: float, ports: tuple[int, int] | None,
-              done: Callable[[str, str | None], None], watch: Watch) -> dict[str, dict]:
+              done: Callable[[str, str | None], None], watch: Watch,
+              links: Callable[[], dict[str, float]] = dict) -> dict[str, dict]:
     """Open the relays of the nodes in `relays` (Ray actors pinned to them, offering the relay's
     calls), then (while they open) ask `plan` for the sessions, then run every session's chain.
     Returns per node {peer_bytes, nas_bytes, landed_files, upstreams, fallbacks, bad_senders, refused,
@@ -110,7 +112,7 @@ def broadcast(ray, manifest: Manifest, relays: dict,
                 _release(ray, {name: relays[name]}, stats, watch)
                 done(name, gone.get(name))
         for session in runs:
-            _run_chain(ray, relays, session, stats, deadline, last, done, gone, watch)
+            _run_chain(ray, relays, session, stats, deadline, last, done, gone, watch, links)
     finally:
         _release(ray, relays, stats, watch)
     return stats
@@ -118,7 +120,7 @@ def broadcast(ray, manifest: Manifest, relays: dict,
 
 def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], deadline: float,
                last: dict[str, int], done: Callable[[str, str | None], None], gone: dict[str, str],
-               watch: Watch) -> None:
+               watch: Watch, links: Callable[[], dict[str, float]] = dict) -> None:
     # Without the nodes that stalled or died in an earlier session: one node left reads the NAS itself, in its mirror.
     session = Session(session.number, session.files,
                       tuple(hop for hop in session.chain if hop[0] not in watch.stalled and hop[0] not in gone))
@@ -128,7 +130,7 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
                 done(name, gone.get(name))
         return
     running = {relays[name].run.remote(session, last[name] == session.number): name for name, _, _ in session.chain}
-    route = _Route(relays, session)
+    route = _Route(relays, session, links)
     while running:
         ready, _ = ray.wait(list(running), num_returns=1,
                             timeout=max(0.0, min(watch.next_look(), deadline - time.monotonic())))
@@ -175,7 +177,8 @@ class _Route:
     after it, and a node that answers nothing holds them back for good: either is moved to the tail
     of the chain, and the node that was taking chunks from it hangs up at once and takes them from
     its upstream instead (the relay's reroute); there the last node serves it from disk. A laggard,
-    once, and never the head (it reads the NAS for everyone). A node silent for SILENT_REROUTE, the
+    once, and never the head (it reads the NAS for everyone); the head is judged by the links
+    between the other nodes instead (_slow_head). A node silent for SILENT_REROUTE, the
     head too (the next node then reads the NAS), whenever an answering node comes after it and the
     node right after it is not still receiving from it at a healthy pace (still_sending): nobody
     takes anything from it meanwhile, and if it answers again it is served at the tail as a
@@ -196,8 +199,8 @@ class _Route:
     head is judged against the head's rate once, and from then on against the best rate any node
     has received at from the head, which is what the head has shown it can send."""
 
-    def __init__(self, relays: dict, session: Session):
-        self.relays, self.session = relays, session
+    def __init__(self, relays: dict, session: Session, links: Callable[[], dict[str, float]] = dict):
+        self.relays, self.session, self.links = relays, session, links
         self.chain = session.chain
         self.moved: set[str] = set()
         self.total = sum(chunks_in(share.size) for share in session.files)
@@ -209,6 +212,7 @@ class _Route:
         self.after_head = 0.0  # the best rate a node right after the head has received at
         self.untold: set[str] = set()  # moved while silent: told the order once it answers again
         self.why_moved: dict[str, str] = {}  # every node moved, and why, for its row
+        self.head_moved = False  # the head was moved for its pace (once: see _slow_head)
 
     def around(self, silent: set[str], answering: set[str], sending: set[str] = frozenset(),
                why: str = SILENT_WHY) -> None:
@@ -264,8 +268,16 @@ class _Route:
             held.setdefault(name, self.total)  # finished (or gone: its downstream looks elsewhere)
         settled = [look for look in self.looks if look[0] >= self.quiet_until]
         self.looks = settled[-(RATE_LOOKS - 1):] + [(now, held)]
+        if len(self.looks) < 2:
+            return
+        if self._slow_head(names, held, now):
+            self.head_moved = True
+            self.moved.add(names[0])
+            self.why_moved[names[0]] = SLOW_HEAD_WHY
+            self._to_tail(names[0], running, now)
+            return
         if len(self.looks) < RATE_LOOKS:
-            return  # rates need that many looks, all after the last reroute settled
+            return  # a laggard's rate needs that many looks, all after the last reroute settled
         then, before = self.looks[0]
         rates = {name: (held[name] - before.get(name, 0)) / max(now - then, 1e-3) for name in names}
         for name, rate in rates.items():
@@ -278,6 +290,29 @@ class _Route:
             self.moved.add(name)
             self.why_moved[name] = "it fell behind its upstream"
             self._to_tail(name, running, now)
+
+    def _slow_head(self, names: list[str], held: dict[str, int], now: float) -> bool:
+        """Whether the head holds the chain back: since the first of the looks kept at which it had
+        landed a chunk (its NAS open and first samples are not its pace), it has landed chunks at
+        less than LAG_FRACTION of what a link between two other nodes carried (the driver's link
+        probes, Ray's own transfer, while the agents planned; the pull into the node after the
+        head crossed the head's own link, so it is no measure of the others). The laggard rule
+        never judges the head, which reads the NAS for everyone, so a head with a slow link or
+        disk held every node at its pace (the lab, dgx1 at a quarter of the rate: the others
+        landed at 25.8 s against 9.2 s); and the node after it, starved, was taken for a laggard.
+        So the head is judged first, from its first second of landing on. Moved, the next node
+        reads the NAS from the chunk it was missing, and the head takes its chunks at the tail.
+        Once a session: on a NAS slower than the links the new head is no faster, and one
+        reroute is all that costs."""
+        if self.head_moved or len(names) < 3:
+            return False
+        head, after = names[0], names[1]
+        landing = [(when, looked[head]) for when, looked in self.looks[:-1] if looked.get(head)]
+        if not landing or held[head] >= self.total:
+            return False
+        then, before = landing[0]
+        measured = [rate for node, rate in self.links().items() if node not in (head, after) and node in names]
+        return bool(measured) and (held[head] - before) / max(now - then, 1e-3) < LAG_FRACTION * max(measured) / CHUNK
 
     def _held(self, progress: Progress) -> int:
         """Chunks a node held of this session at its answer: none before it started it, all once past it."""
