@@ -198,8 +198,7 @@ def with_delivery(manifest: Manifest, run: NodeRun, transport: str, delivered: d
         transport, peer_bytes=int(got.get("peer_bytes", 0)) + (0 if from_nas else copied),
         nas_bytes=int(got.get("nas_bytes", 0)) + (copied if from_nas else 0), fallbacks=tuple(fallbacks),
         bad_senders=tuple(got.get("bad_senders") or ()), refused=tuple(got.get("refused") or ()),
-        moved_to_tail="moved_why" in got, moved_why=got.get("moved_why"),
-        relay_cpu_seconds=got.get("relay_cpu_seconds"),
+        moved_why=got.get("moved_why"), relay_cpu_seconds=got.get("relay_cpu_seconds"),
         landed_files=int(got.get("landed_files", 0)), sources=tuple(dict.fromkeys(sources))))
 
 

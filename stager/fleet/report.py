@@ -79,16 +79,19 @@ class Delivery:
     fallbacks: tuple[dict, ...] = ()
     bad_senders: tuple[str, ...] = ()
     refused: tuple[dict, ...] = ()
-    # The chain was reordered around it, and why: it fell behind its upstream, went silent while
-    # the node after it received little or nothing, was a head slower than the links, or its
-    # relay died.
-    moved_to_tail: bool = False
+    # Why the chain was reordered around it (None: it was not): it fell behind its upstream, went
+    # silent while the node after it received little or nothing, was a head slower than the
+    # links, or its relay died.
     moved_why: str | None = None
     # The CPU its relay's threads used (receive, check, write, serve), so that a relay's cost per
     # GB can be told apart from its node's process starts and walks; None without a relay.
     relay_cpu_seconds: float | None = None
     landed_files: int = 0  # files the broadcast landed (its own mirror's copies are in its report)
     sources: tuple[str, ...] = ()  # where its copied bytes came from: peers by name, NAS, another source
+
+    @property
+    def moved_to_tail(self) -> bool:
+        return self.moved_why is not None
 
     def to_json(self) -> dict:
         return {"transport": self.transport, "peer_bytes": self.peer_bytes, "nas_bytes": self.nas_bytes,
@@ -357,8 +360,7 @@ def table(report: FleetReport, problems_per_node: int = 5, verbose: bool = False
         if got is None:
             continue
         if got.moved_to_tail:
-            why = f"{got.moved_why}; " if got.moved_why else ""
-            lines.append(f"  {run.node}: {why}it was moved to the tail of the chain")
+            lines.append(f"  {run.node}: {got.moved_why}; it was moved to the tail of the chain")
         if got.bad_senders:
             lines.append(f"  {run.node}: refused chunks that failed the run's key from {', '.join(got.bad_senders)}"
                          " and fetched them again")

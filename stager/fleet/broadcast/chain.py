@@ -212,7 +212,6 @@ class _Route:
         self.after_head = 0.0  # the best rate a node right after the head has received at
         self.untold: set[str] = set()  # moved while silent: told the order once it answers again
         self.why_moved: dict[str, str] = {}  # every node moved, and why, for its row
-        self.head_moved = False  # the head was moved for its pace (once: see _slow_head)
 
     def around(self, silent: set[str], answering: set[str], sending: set[str] = frozenset(),
                why: str = SILENT_WHY) -> None:
@@ -227,9 +226,8 @@ class _Route:
         for name in [name for name, _, _ in self.chain if name in silent and name not in sending]:
             names = [hop[0] for hop in self.chain]
             if answering & set(names[names.index(name) + 1:]):
-                self._to_tail(name, answering, time.monotonic())
+                self._to_tail(name, why, answering, time.monotonic())
                 self.untold.add(name)
-                self.why_moved[name] = why
 
     def still_sending(self, silent: set[str], watch: Watch) -> set[str]:
         """The silent nodes, not stalled, whose next node in the chain is still receiving from them
@@ -271,10 +269,8 @@ class _Route:
         if len(self.looks) < 2:
             return
         if self._slow_head(names, held, now):
-            self.head_moved = True
             self.moved.add(names[0])
-            self.why_moved[names[0]] = SLOW_HEAD_WHY
-            self._to_tail(names[0], running, now)
+            self._to_tail(names[0], SLOW_HEAD_WHY, running, now)
             return
         if len(self.looks) < RATE_LOOKS:
             return  # a laggard's rate needs that many looks, all after the last reroute settled
@@ -288,8 +284,7 @@ class _Route:
         if name is not None:
             self.head_tried |= name == names[1]
             self.moved.add(name)
-            self.why_moved[name] = "it fell behind its upstream"
-            self._to_tail(name, running, now)
+            self._to_tail(name, "it fell behind its upstream", running, now)
 
     def _slow_head(self, names: list[str], held: dict[str, int], now: float) -> bool:
         """Whether the head holds the chain back: since the first of the looks kept at which it had
@@ -302,9 +297,9 @@ class _Route:
         landed at 25.8 s against 9.2 s); and the node after it, starved, was taken for a laggard.
         So the head is judged first, from its first second of landing on. Moved, the next node
         reads the NAS from the chunk it was missing, and the head takes its chunks at the tail.
-        Once a session: on a NAS slower than the links the new head is no faster, and one
-        reroute is all that costs."""
-        if self.head_moved or len(names) < 3:
+        Once a session (why_moved keeps that it was): on a NAS slower than the links the
+        new head is no faster, and one reroute is all that costs."""
+        if SLOW_HEAD_WHY in self.why_moved.values() or len(names) < 3:
             return False
         head, after = names[0], names[1]
         landing = [(when, looked[head]) for when, looked in self.looks[:-1] if looked.get(head)]
@@ -320,12 +315,14 @@ class _Route:
             return progress.chunks
         return self.total if progress.session is not None and progress.session > self.session.number else 0
 
-    def _to_tail(self, name: str, running: set[str], now: float) -> None:
-        """The new order goes to every running node, the moved one too (a silent one is not
-        running): it takes its next chunk from the node now before it. Left out, a laggard went on
-        taking its chunks from its old upstream. After the trial move of a fast NAS's head (above)
-        that upstream was the head, whose uplink then carried every byte twice, to the moved node
-        and to the rest of the chain: 4 nodes on the lab's fast NAS took 93 s where 2 took 47."""
+    def _to_tail(self, name: str, why: str, running: set[str], now: float) -> None:
+        """`name` to the tail, `why` kept for its row. The new order goes to every running node,
+        the moved one too (a silent one is not running): it takes its next chunk from the node now
+        before it. Left out, a laggard went on taking its chunks from its old upstream. After the
+        trial move of a fast NAS's head (above) that upstream was the head, whose uplink then
+        carried every byte twice, to the moved node and to the rest of the chain: 4 nodes on the
+        lab's fast NAS took 93 s where 2 took 47."""
+        self.why_moved[name] = why
         self.quiet_until = now + REROUTE_GRACE
         self.chain = tuple(hop for hop in self.chain if hop[0] != name) + tuple(
             hop for hop in self.chain if hop[0] == name)
