@@ -10,8 +10,10 @@ a string comparison once, and the mirror then wrote its lock into the NAS.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
@@ -41,6 +43,23 @@ def resolved(path: str | os.PathLike) -> str:
 
 
 RESOLVE_ATTEMPTS = 5
+
+
+def look(path: str | os.PathLike) -> tuple[os.stat_result | None, str | None]:
+    """`path` as one look, not followed: its lstat (None when it is not there) and, for a link,
+    its target. A link removed between the lstat and the readlink is not there: an operator
+    deleting a snapshot while the mirror checked it once ended the run with exit 3 (ENOENT from the
+    readlink). A link replaced by another kind of file between the two (EINVAL) is looked at again."""
+    for _ in range(RESOLVE_ATTEMPTS):
+        try:
+            st = os.lstat(path)
+            return st, (os.readlink(path) if stat.S_ISLNK(st.st_mode) else None)
+        except (FileNotFoundError, NotADirectoryError):
+            return None, None
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.lstat(path), None  # still changing kind after every look: the kind it has now
 
 
 @dataclass(frozen=True)

@@ -175,12 +175,11 @@ def _identity(path: Path) -> tuple[int, int, int, int] | None:
 
 
 def _lstat(path: Path) -> LocalState:
-    try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
+    st, target = identity.look(path)
+    if st is None:
         return LocalState("absent")
-    if stat_module.S_ISLNK(st.st_mode):
-        return LocalState("link", link_target=os.readlink(path))
+    if target is not None:
+        return LocalState("link", link_target=target)
     if stat_module.S_ISREG(st.st_mode):
         return LocalState("file", st.st_size, (st.st_dev, st.st_ino))
     return LocalState("dir" if stat_module.S_ISDIR(st.st_mode) else "other")

@@ -126,9 +126,8 @@ def check_local_chain(local_hub: Path, entry_rel: str, realpath=identity.resolve
     links = 0
     for _ in range(41):
         path = local_hub / current
-        try:
-            st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
+        st, target = identity.look(path)
+        if st is None:
             kind = "missing" if current == entry_rel else "dangling"
             return None, Problem(str(local_hub / entry_rel), kind,
                                  "not staged" if kind == "missing" else f"link target {path} does not exist"), links
@@ -139,7 +138,6 @@ def check_local_chain(local_hub: Path, entry_rel: str, realpath=identity.resolve
             return current, None, links
         if not stat.S_ISLNK(st.st_mode):
             return None, Problem(str(path), "not_a_file", "expected a regular file or a link"), links
-        target = os.readlink(path)
         resolved = os.path.normpath(os.path.join(realpath(path.parent), target))
         if os.path.isabs(target) or not (resolved + "/").startswith(root + "/"):
             return None, Problem(str(local_hub / entry_rel), "remote",

@@ -249,3 +249,36 @@ def test_a_nas_blob_that_fails_its_own_name_is_blamed_on_the_nas(tmp_path, nas_h
         assert "NAS file is bad" in problem["detail"] and "cannot fix it" in problem["detail"], problem
     verify = run_stage("verify", "--full", "--node", "dgx1", "--manifest", manifest, "--json")
     assert verify.json["repair"] == []  # no command to paste that could not work
+
+
+def test_a_link_removed_and_made_again_while_it_is_checked_is_there_or_missing_never_an_error(tmp_path: Path):
+    """Another process unlinks and remakes a snapshot entry as fast as it can (an operator deleting
+    what the audit listed, while the mirror checks its links): every look at it sees a link to
+    the blob or nothing. A readlink between the unlink and the remake once raised ENOENT, and the
+    mirror ended with exit 3 naming the entry."""
+    from stager.base.identity import look
+    from stager.mirror.verify import check_local_chain
+
+    hub = tmp_path / "hub"
+    (hub / "blobs").mkdir(parents=True)
+    (hub / "blobs" / "b").write_bytes(b"weights")
+    (hub / "snap").mkdir()
+    churner = subprocess.Popen([sys.executable, "-c", (
+        "import os, time\n"
+        "end = time.time() + 2\n"
+        "while time.time() < end:\n"
+        "    os.symlink('../blobs/b', 'snap/a')\n"
+        "    os.unlink('snap/a')\n")], cwd=hub)
+    seen = {"link": 0, "absent": 0}
+    try:
+        while churner.poll() is None:
+            st, target = look(hub / "snap" / "a")
+            assert (st is None and target is None) or target == "../blobs/b", (st, target)
+            seen["link" if target else "absent"] += 1
+            final, problem, _links = check_local_chain(hub, "snap/a")
+            assert final == "blobs/b" or problem.kind == "missing", (final, problem)
+    finally:
+        churner.kill()
+        churner.wait()
+    assert churner.returncode == 0 or churner.returncode == -9
+    assert seen["link"] and seen["absent"], seen

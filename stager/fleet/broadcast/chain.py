@@ -39,7 +39,13 @@ SILENT_REROUTE = 3.0
 # then, a busy head hands the NAS read to the node after it, however slow that node's link. A
 # frozen node's downstream stops within its send buffer's drain: at once on the lab's links.
 HELD_BACK = 2.0
-SLOW_HEAD_WHY = "as the chain's head it read and passed on the data at less than half of what the links carry"
+# A head landing chunks at less than this fraction of what a link between two other nodes carried
+# holds every node at its pace (_Route._slow_head). Not LAG_FRACTION: a healthy head sits near half
+# of the probe on the lab (a probe's burst through tbf reads 14-15 MB/s on a 12.5 MB/s link, and
+# three streams a hop on 2 cores land 8 MiB/s), and CI moved one; a head whose link or disk is 4x
+# slower sits at a quarter or less.
+SLOW_HEAD_FRACTION = 1 / 3
+SLOW_HEAD_WHY = "as the chain's head it read and passed on the data at less than a third of what the links carry"
 SILENT_WHY = f"it answered nothing for {SILENT_REROUTE:g}s while the node after it received little or nothing"
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
 # of nothing received made the node just rerouted off a laggard look like one (the lab saw it).
@@ -289,7 +295,7 @@ class _Route:
     def _slow_head(self, names: list[str], held: dict[str, int], now: float) -> bool:
         """Whether the head holds the chain back: since the first of the looks kept at which it had
         landed a chunk (its NAS open and first samples are not its pace), it has landed chunks at
-        less than LAG_FRACTION of what a link between two other nodes carried (the driver's link
+        less than SLOW_HEAD_FRACTION of what a link between two other nodes carried (the driver's link
         probes, Ray's own transfer, while the agents planned; the pull into the node after the
         head crossed the head's own link, so it is no measure of the others). The laggard rule
         never judges the head, which reads the NAS for everyone, so a head with a slow link or
@@ -307,7 +313,7 @@ class _Route:
             return False
         then, before = landing[0]
         measured = [rate for node, rate in self.links().items() if node not in (head, after) and node in names]
-        return bool(measured) and (held[head] - before) / max(now - then, 1e-3) < LAG_FRACTION * max(measured) / CHUNK
+        return bool(measured) and (held[head] - before) / max(now - then, 1e-3) < SLOW_HEAD_FRACTION * max(measured) / CHUNK
 
     def _held(self, progress: Progress) -> int:
         """Chunks a node held of this session at its answer: none before it started it, all once past it."""
