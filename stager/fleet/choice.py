@@ -183,21 +183,26 @@ class Probes:
     """The run's measures, started as soon as the agents are (the links, while they plan), and
     completed once the groups are known, each only if it can change the choice."""
 
-    def __init__(self, ray, agents: dict, watch: Watch, told: FleetConfig):
+    def __init__(self, ray, agents: dict, watch: Watch, told: FleetConfig, send_limit: int | None = None,
+                 choosing: bool = True):
         self.ray, self.agents, self.watch, self.told = ray, agents, watch, told
+        self.send_limit = send_limit  # --bwlimit: no relay sends faster, whatever its link
         self.links: dict = {}  # the link probes still out: ObjectRef -> the node pulling
         self.link_rates: dict[str, float] = {}
         self._payloads: dict = {}
-        names = list(agents)
-        if told.relay_rate is None and len(names) >= 2:
-            # Each node after the head pulls from the one before it, all at the same time. The
-            # link into the head is no hop (the head reads the NAS): its pull, from the last node,
-            # measured nothing the choice uses, and on the lab's 2 cores it held the next node's
-            # first piece back 250 ms where it comes in 50 ms without it.
+        # Each node after the head pulls from the one before it, all at the same time. The link
+        # into the head is no hop (the head reads the NAS): its pull, from the last node, measured
+        # nothing the choice uses, and on the lab's 2 cores it held the next node's first piece
+        # back 250 ms where it comes in 50 ms without it. Told the transport, the links serve the
+        # chain's judging of its head only, which leaves out the link out of the head: its pull
+        # filled a slow head's uplink for 2 s (6 MiB at 25 Mbit/s on the lab) just as it began to
+        # read the NAS, whose ACKs then queued behind it, and every node started 2 s late.
+        pulling = list(agents)[0 if choosing else 1:]
+        if told.relay_rate is None and len(pulling) >= 2:
             payloads = {name: [agents[name].probe_payload.remote() for _ in range(PAYLOAD_PIECES)]
-                        for name in names[:-1]}
+                        for name in pulling[:-1]}
             self.links = {agents[name].probe_pull.remote(payloads[before]): name
-                          for before, name in zip(names, names[1:])}
+                          for before, name in zip(pulling, pulling[1:])}
             self._payloads = payloads
 
     def rates(self, groups: list[tuple[tuple[str, ...], tuple[Share, ...]]]) -> Rates:
@@ -227,8 +232,14 @@ class Probes:
         return Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, cpu=cpu, ceiling=ceiling, told=keys)
 
     def known_links(self) -> dict[str, float]:
-        """The links measured so far, without waiting (told: relay_rate for every node): for the
-        chain, which judges its head by them (chain._Route._slow_head)."""
+        """What each link carries as far as measured, without waiting (told: relay_rate for every
+        node), and no more than --bwlimit: for the chain, which judges its head by them
+        (chain._Route._slow_head). Uncapped, a head reading the NAS at a 2 MiB/s --bwlimit was
+        slower than a third of a loopback link's pull, and moved for nothing."""
+        cap = float(self.send_limit) if self.send_limit else float("inf")
+        return {name: min(rate, cap) for name, rate in self._known_links().items()}
+
+    def _known_links(self) -> dict[str, float]:
         if self.told.relay_rate is not None:
             return {name: float(self.told.relay_rate) for name in self.agents}
         if self.links:

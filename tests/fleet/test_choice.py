@@ -64,6 +64,15 @@ def test_the_manifest_tells_the_rates_and_nothing_is_measured():
     assert choose(GROUP, slower)[0].transport == "nas"
 
 
+def test_the_links_the_chain_judges_its_head_by_are_no_faster_than_the_bwlimit():
+    """--bwlimit caps every relay's sends: a link carries no more, whatever its pull measured. A
+    head reading the NAS at a 2 MiB/s --bwlimit is the chain's pace, not a third of a loopback's."""
+    told = FleetConfig(relay_rate=3000 * MB)
+    assert Probes(None, dict.fromkeys(NODES), None, told).known_links() == dict.fromkeys(NODES, 3000 * MB)
+    capped = Probes(None, dict.fromkeys(NODES), None, told, send_limit=2 * 1024 * 1024).known_links()
+    assert capped == dict.fromkeys(NODES, 2 * 1024 * 1024)
+
+
 def _agent(nas: float, ceiling: float, link: float | None = None, asked: list | None = None,
            nas_alone: float | None = None, so_far: tuple = ()) -> SimpleNamespace:
     """A node whose NAS reads at `nas` (`nas_alone` the first time, if given: the head reading it
@@ -131,6 +140,18 @@ def test_the_link_into_the_head_is_no_hop_the_head_pulls_nothing_and_sends_no_no
     assert sum(calls.count("nas") for calls in asked.values()) == 1 and rates.nas_each == {}, (asked, rates)
     assert rates.link == dict.fromkeys(NODES[1:], 25.0 * MB)
     assert choose(GROUP, rates)[0].transport == "broadcast"
+
+
+def test_told_the_transport_no_node_pulls_from_the_head():
+    """Told the transport, the links only judge the chain's head (chain._Route._slow_head), by the
+    links between the other nodes: the pull out of the head is not taken. On the lab it filled a
+    slow head's uplink for 2 s just as the head began reading the NAS."""
+    asked = {name: [] for name in NODES}
+    agents = {name: _agent(nas=6 * MB, ceiling=1200 * MB, link=25.0 * MB, asked=asked[name]) for name in NODES}
+    probes = Probes(FakeRay(), agents, QuietWatch(), FleetConfig(), choosing=False)
+    assert "payload" not in asked["dgx1"] and "pull" not in asked[NODES[1]], asked
+    assert all("pull" in asked[name] for name in NODES[2:]), asked
+    assert probes.known_links() == dict.fromkeys(NODES[2:], 25.0 * MB)
 
 
 def test_one_link_measured_slow_sends_no_node_to_the_nas_on_a_usual_cluster():
