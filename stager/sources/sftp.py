@@ -66,6 +66,9 @@ PACKET_BYTES = 256 * 1024
 MIN_REQUEST_BYTES = 32 * 1024
 # Outstanding reads per file: 2 MiB or more in flight fills a LAN link; memory stays bounded.
 BYTES_IN_FLIGHT = 4 * 1024 * 1024
+# Bytes answered ahead of the reads that want them, kept at most: the read-ahead itself and what a
+# read a chunk out of order skipped.
+EARLY_LIMIT = 2 * BYTES_IN_FLIGHT
 # AES-GCM first when the server offers it (paramiko prefers AES-CTR with a separate HMAC-SHA2):
 # one pass of the cipher instead of two, 1.6 against 2.3 CPU s per GB in the client, measured as
 # above. Only the order changes: a server without it still gets what it has.
@@ -446,9 +449,9 @@ class RemoteReader:
     Without it the pipe ran dry at the end of every read, and the next read's requests queued
     behind whatever else the node was sending on its uplink: a broadcast's head, forwarding each
     chunk on the same link, read the NAS at 90 % of the link between chunks of 4 MiB. A read
-    elsewhere than where the last one ended drops what was read ahead (its answers are discarded
-    as they come), and `pread`, which the sampled checks use, never reads ahead: a fresh sample
-    is read fresh.
+    that what was read ahead does not hold (_ahead_holds: a jump, or bytes already taken) drops
+    it (its answers are discarded as they come); a read a chunk out of order keeps it. `pread`,
+    which the sampled checks use, never reads ahead: a fresh sample is read fresh.
     """
 
     def __init__(self, source: RemoteSource, sftp, handle, size: int, rel: str, sequential: bool):
@@ -463,7 +466,6 @@ class RemoteReader:
         self._early: dict[int, memoryview] = {}  # offset -> bytes answered before the read that wants them
         self._retry: list[tuple[int, int]] = []  # the rest of short answers, still to ask
         self._next_ask = 0  # the first offset not asked for yet
-        self._expected = 0  # where a read continuing the last one starts
         self.size = size
 
     def _read_at(self, view: memoryview, offset: int, ahead: bool) -> int:
@@ -471,33 +473,64 @@ class RemoteReader:
         from paramiko.sftp import CMD_READ, int64
 
         end = offset + max(0, min(len(view), self.size - offset))
-        if offset != self._expected or not ahead:
+        if not ahead or not self._ahead_holds(offset, end):
             self._forget_ahead(offset)
-        # Nothing continues a read that fails half-way: its unanswered requests would land before
-        # the next read's offset. Set to `end` once every byte is in.
-        self._expected = -1
         horizon = self.size if ahead else end
         missing = end - offset
-        for at in sorted(self._early):
-            missing -= self._place(view, offset, end, at, self._early.pop(at))
-        with self._source._failures(self._sftp, f"reading {self._rel}"):
-            while missing:
-                while ((self._retry or self._next_ask < horizon)
-                       and len(self._asked) * self._source.request_bytes < BYTES_IN_FLIGHT):
-                    if self._retry:
-                        at, size = self._retry.pop()
-                    else:
-                        at, size = self._next_ask, min(self._source.request_bytes, horizon - self._next_ask)
-                        self._next_ask += size
-                    num = self._sftp._async_request(self._replies, CMD_READ, self._handle.handle, int64(at), int(size))
-                    self._asked[num] = (at, size)
-                self._sftp._read_response()
-                for num, kind, msg in self._replies.drain():
-                    request = self._asked.pop(num, None)
-                    if request is not None:
-                        missing -= self._place(view, offset, end, request[0], self._answer(kind, msg, *request))
-        self._expected = end
+        try:
+            for at in sorted(self._early):
+                missing -= self._place(view, offset, end, at, self._early.pop(at))
+            with self._source._failures(self._sftp, f"reading {self._rel}"):
+                while missing:
+                    while ((self._retry or self._next_ask < horizon)
+                           and len(self._asked) * self._source.request_bytes < BYTES_IN_FLIGHT):
+                        if self._retry:
+                            at, size = self._retry.pop()
+                        else:
+                            at, size = self._next_ask, min(self._source.request_bytes, horizon - self._next_ask)
+                            self._next_ask += size
+                        num = self._sftp._async_request(self._replies, CMD_READ, self._handle.handle, int64(at),
+                                                        int(size))
+                        self._asked[num] = (at, size)
+                    self._sftp._read_response()
+                    for num, kind, msg in self._replies.drain():
+                        request = self._asked.pop(num, None)
+                        if request is not None:
+                            missing -= self._place(view, offset, end, request[0], self._answer(kind, msg, *request))
+        except BaseException:
+            # Nothing continues a read that failed half-way: its unanswered requests would land
+            # where the next read looks for its bytes.
+            self._forget_ahead(self.size)
+            raise
+        self._keep_early_bounded()
         return end - offset
+
+    def _ahead_holds(self, offset: int, end: int) -> bool:
+        """Whether the read goes on with what was read or asked ahead and not yet taken: it starts
+        no further ahead than has been asked, nor more than BYTES_IN_FLIGHT before the lowest of
+        it. The bytes of [offset, end) that nothing holds (before what was asked, or taken by an
+        earlier read) are asked for first. Several streams share a reader in turns (a node that
+        became the chain's head mid-file reads the rest on every stream): their reads come a
+        chunk out of order, and each such read dropped what was read ahead and asked again from
+        there. A read elsewhere starts afresh."""
+        spans = sorted([*((at, len(data)) for at, data in self._early.items()), *self._retry,
+                        *(request for request in self._asked.values() if request is not None)])
+        lowest = spans[0][0] if spans else self._next_ask
+        if offset > self._next_ask or offset < lowest - BYTES_IN_FLIGHT:
+            return False
+        stop, reach, gaps = min(end, self._next_ask), offset, []
+        for at, size in spans:
+            if reach >= stop:
+                break
+            if at > reach:
+                gaps.append((reach, min(at, stop)))
+            reach = max(reach, at + size)
+        if reach < stop:
+            gaps.append((reach, stop))
+        step = self._source.request_bytes
+        pieces = [(at, min(step, gap_end - at)) for gap_start, gap_end in gaps for at in range(gap_start, gap_end, step)]
+        self._retry.extend(reversed(pieces))  # asked from the end of the list: the lowest first
+        return True
 
     def _answer(self, kind, msg, at: int, size: int) -> memoryview:
         """The bytes of one read's reply; a short one has the rest asked again, and later
@@ -522,12 +555,24 @@ class RemoteReader:
 
     def _place(self, view: memoryview, offset: int, end: int, at: int, data: memoryview) -> int:
         """Copy what of `data` (the bytes at `at`) lies in [offset, end) into `view`; keep what lies
-        beyond for the next read. Returns how many bytes were placed."""
-        inside = data[:max(0, end - at)]
-        view[at - offset:at - offset + len(inside)] = inside
-        if len(inside) < len(data):
-            self._early[at + len(inside)] = data[len(inside):]
-        return len(inside)
+        before or beyond it for the reads to come. Returns how many bytes were placed."""
+        first, last = min(max(offset, at), at + len(data)), max(min(end, at + len(data)), at)
+        if first > at:
+            self._early[at] = data[:first - at]
+        if last > first:
+            view[first - offset:last - offset] = data[first - at:last - at]
+        if at + len(data) > last:
+            self._early[last] = data[last - at:]
+        return last - first
+
+    def _keep_early_bounded(self) -> None:
+        """What came back early and was not taken stays within EARLY_LIMIT, lowest offsets dropped
+        first (a read that wants them asks again)."""
+        held = sum(len(data) for data in self._early.values())
+        for at in sorted(self._early):
+            if held <= EARLY_LIMIT:
+                break
+            held -= len(self._early.pop(at))
 
     def _forget_ahead(self, offset: int) -> None:
         """A read that does not continue the last one: what was read ahead is dropped."""

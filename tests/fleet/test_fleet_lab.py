@@ -453,13 +453,14 @@ def test_a_head_at_a_quarter_of_the_rate_is_moved_and_the_others_land_well_befor
     the laggard rule never judges the head. Now the head is judged by the links the driver measured
     between the other nodes, from its first second of landing on, and moved to the tail: the next
     node reads the NAS. The others land well before it, and are told why it moved. They still pay
-    its first seconds (1.36-1.59x the clean run on the lab, docs/fleet.md)."""
+    its first seconds (1.32-1.46x the clean run on the lab, within 1.25x plus the 2 s the test of
+    a slow node in the middle allows; docs/fleet.md)."""
     slow = list(lab.nodes)[0]
     landed, rows = broadcast_with_one_slow(lab, slow)
     others = max(seconds for n, seconds in landed.items() if n != slow)
     assert rows[slow]["moved_why"] == "as the chain's head it read and passed on the data at less than a third of what " \
                                       "the links carry", rows
-    assert others <= 0.8 * landed[slow] and others <= 1.8 * clean_broadcast.landed + 2.0, (
+    assert others <= 0.8 * landed[slow] and others <= 1.5 * clean_broadcast.landed + 2.0, (
         landed, clean_broadcast.landed, rows)
 
 

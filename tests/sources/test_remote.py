@@ -261,6 +261,41 @@ def test_a_sequential_reader_asks_ahead_and_a_read_elsewhere_drops_what_it_asked
     assert sshd.bytes_read(hub / "whole") == size
 
 
+def test_reads_a_chunk_out_of_order_keep_what_was_read_ahead_and_the_file_is_read_once(sshd, tmp_path):
+    """Two streams taking 1 MiB chunks in turns from one sequential reader (a node that became the
+    chain's head mid-file): each pair comes in either order. Every read gets its bytes, and the
+    server reads the file once: a read a chunk out of order once dropped what was read ahead and
+    asked for it again. A read over bytes already taken asks for them again, and a read past a
+    gap starts afresh: each gets its bytes."""
+    hub = tmp_path / "hub"
+    size = 12 * MiB + 321
+    data = pseudo_random(14, size)
+    for name in ("turns", "over"):
+        (hub / name).mkdir(parents=True)
+        (hub / name / "blob").write_bytes(data)
+    source = open_source(sshd.url(hub), {})
+    chunks = list(range(0, size, MiB))
+    order = [offset for pair in zip(chunks[1::2], chunks[0::2]) for offset in pair] + chunks[len(chunks) // 2 * 2:]
+    assert sorted(order) == chunks and order[:2] == [MiB, 0]
+    reader = source.open("turns/blob", uncached=True, sequential=True)
+    try:
+        for offset in order:
+            buffer = bytearray(MiB)
+            got = reader.readinto_at(memoryview(buffer), offset)
+            assert bytes(buffer[:got]) == data[offset:offset + MiB], offset
+    finally:
+        reader.close()
+    assert sshd.bytes_read(hub / "turns") == size
+    reader = source.open("over/blob", uncached=True, sequential=True)
+    try:
+        for offset, length in [(4 * MiB + 3, 5000), (4 * MiB, 10_000), (MiB, MiB), (9 * MiB, 300), (2 * MiB, MiB)]:
+            buffer = bytearray(length)
+            got = reader.readinto_at(memoryview(buffer), offset)
+            assert bytes(buffer[:got]) == data[offset:offset + length], (offset, length)
+    finally:
+        reader.close()
+
+
 def test_reads_of_255_kib_read_exactly_the_bytes_asked_for(sshd, tmp_path):
     """Reads go out as 255 KiB requests in flight: every read, sequential, scattered or of odd
     length, gets exactly its bytes, and sftp-server's own log counts exactly what was asked (the
