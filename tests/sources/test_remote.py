@@ -223,18 +223,24 @@ def test_a_server_that_allows_one_session_per_connection_gets_a_connection_per_r
         single.stop()
 
 
+def served_blobs(sshd, tmp_path: Path, names: tuple[str, ...], size: int, seed: int):
+    """`<name>/blob` for each name, the same `size` pseudo-random bytes, in a hub the sshd serves
+    (one directory each: sftp-server's log is counted by directory): (hub, data, its source)."""
+    hub = tmp_path / "hub"
+    data = pseudo_random(seed, size)
+    for name in names:
+        (hub / name).mkdir(parents=True)
+        (hub / name / "blob").write_bytes(data)
+    return hub, data, open_source(sshd.url(hub), {})
+
+
 def test_a_sequential_reader_asks_ahead_and_a_read_elsewhere_drops_what_it_asked(sshd, tmp_path):
     """A sequential reader keeps requests in flight past each read, so the pipe does not run dry
     between reads; reads of odd lengths get exactly their bytes from answers that straddle them;
     a read elsewhere gets its own bytes, not what was read ahead; and a whole sequential read
     reads the file from the server exactly once, nothing past its end."""
-    hub = tmp_path / "hub"
     size = 6 * MiB + 999
-    data = pseudo_random(12, size)
-    for name in ("whole", "jumps"):
-        (hub / name).mkdir(parents=True)
-        (hub / name / "blob").write_bytes(data)
-    source = open_source(sshd.url(hub), {})
+    hub, data, source = served_blobs(sshd, tmp_path, ("whole", "jumps"), size, seed=12)
     reader = source.open("whole/blob", uncached=True, sequential=True)
     try:
         got, offset = bytearray(), 0
@@ -267,13 +273,8 @@ def test_reads_a_chunk_out_of_order_keep_what_was_read_ahead_and_the_file_is_rea
     server reads the file once: a read a chunk out of order once dropped what was read ahead and
     asked for it again. A read over bytes already taken asks for them again, and a read past a
     gap starts afresh: each gets its bytes."""
-    hub = tmp_path / "hub"
     size = 12 * MiB + 321
-    data = pseudo_random(14, size)
-    for name in ("turns", "over"):
-        (hub / name).mkdir(parents=True)
-        (hub / name / "blob").write_bytes(data)
-    source = open_source(sshd.url(hub), {})
+    hub, data, source = served_blobs(sshd, tmp_path, ("turns", "over"), size, seed=14)
     chunks = list(range(0, size, MiB))
     order = [offset for pair in zip(chunks[1::2], chunks[0::2]) for offset in pair] + chunks[len(chunks) // 2 * 2:]
     assert sorted(order) == chunks and order[:2] == [MiB, 0]
