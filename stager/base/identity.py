@@ -59,7 +59,7 @@ def look(path: str | os.PathLike) -> tuple[os.stat_result | None, str | None]:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.lstat(path), None  # still changing kind after every look: the kind it has now
+    return None, None  # a link and a file by turns at every look: not there until it settles
 
 
 @dataclass(frozen=True)
