@@ -449,9 +449,10 @@ class RemoteReader:
     Without it the pipe ran dry at the end of every read, and the next read's requests queued
     behind whatever else the node was sending on its uplink: a broadcast's head, forwarding each
     chunk on the same link, read the NAS at 90 % of the link between chunks of 4 MiB. A read
-    that what was read ahead does not hold (_ahead_holds: a jump, or bytes already taken) drops
-    it (its answers are discarded as they come); a read a chunk out of order keeps it. `pread`,
-    which the sampled checks use, never reads ahead: a fresh sample is read fresh.
+    far from what was read ahead (past what was asked, or more than BYTES_IN_FLIGHT before it)
+    drops it (its answers are discarded as they come); a read a chunk out of order goes on with
+    it (_goes_on_ahead). `pread`, which the sampled checks use, never reads ahead: a fresh
+    sample is read fresh.
     """
 
     def __init__(self, source: RemoteSource, sftp, handle, size: int, rel: str, sequential: bool):
@@ -473,7 +474,7 @@ class RemoteReader:
         from paramiko.sftp import CMD_READ, int64
 
         end = offset + max(0, min(len(view), self.size - offset))
-        if not ahead or not self._ahead_holds(offset, end):
+        if not ahead or not self._goes_on_ahead(offset, end):
             self._forget_ahead(offset)
         horizon = self.size if ahead else end
         missing = end - offset
@@ -505,14 +506,14 @@ class RemoteReader:
         self._keep_early_bounded()
         return end - offset
 
-    def _ahead_holds(self, offset: int, end: int) -> bool:
+    def _goes_on_ahead(self, offset: int, end: int) -> bool:
         """Whether the read goes on with what was read or asked ahead and not yet taken: it starts
         no further ahead than has been asked, nor more than BYTES_IN_FLIGHT before the lowest of
-        it. The bytes of [offset, end) that nothing holds (before what was asked, or taken by an
-        earlier read) are asked for first. Several streams share a reader in turns (a node that
-        became the chain's head mid-file reads the rest on every stream): their reads come a
-        chunk out of order, and each such read dropped what was read ahead and asked again from
-        there. A read elsewhere starts afresh."""
+        it. If so, the bytes of [offset, end) that nothing holds (before what was asked, or taken
+        by an earlier read) are queued to be asked for first. Several streams share a reader in
+        turns (a node that became the chain's head mid-file reads the rest on every stream): their
+        reads come a chunk out of order, and each such read dropped what was read ahead and asked
+        again from there. A read elsewhere starts afresh."""
         spans = sorted([*((at, len(data)) for at, data in self._early.items()), *self._retry,
                         *(request for request in self._asked.values() if request is not None)])
         lowest = spans[0][0] if spans else self._next_ask
