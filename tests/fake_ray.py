@@ -50,5 +50,11 @@ class QuietWatch:
     def same_look(self, nodes):
         return None
 
+    def answers(self, node):
+        return []
+
+    def pending(self):
+        return []
+
     def forget(self, node):
         pass

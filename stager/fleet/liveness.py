@@ -159,6 +159,10 @@ class Watch:
             self.on_look()
         return found
 
+    def pending(self) -> list:
+        """The calls asked and not yet taken: a wait that should end when an answer comes waits on them too."""
+        return list(self.asking)
+
     def silent_for(self, seconds: float) -> set[str]:
         """The watched agents that have answered before and have been silent for `seconds`: not
         stalled yet, but nothing should wait on them meanwhile."""
@@ -193,6 +197,12 @@ class Watch:
             if all(number in self.by_look.get(node, {}) for node in nodes):
                 return self.looks[number], {node: self.by_look[node][number] for node in nodes}
         return None
+
+    def answers(self, node: str) -> list[tuple[float, Progress]]:
+        """The node's answers kept, oldest first, each with when its look asked. Each answer's
+        counts were read on the node's own clock (Progress.read_at): a rate between two of them
+        holds however late either reached the driver."""
+        return [(self.looks[number], answer) for number, answer in sorted(self.by_look.get(node, {}).items())]
 
     def _take_answers(self) -> None:
         if not self.asking:

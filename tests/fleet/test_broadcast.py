@@ -376,10 +376,13 @@ class _FakeRelay:
         self.reroute = SimpleNamespace(remote=lambda number, chain: self.reroutes.append(chain))
 
 
-def _route_after(pace: dict[str, float], looks: int = 40, total: int = 4000, links: dict[str, float] | None = None):
+def _route_after(pace: dict[str, float], looks: int = 40, total: int = 4000, links: dict[str, float] | None = None,
+                 behind: dict[str, int] | None = None):
     """The chain's _Route after `looks` looks a second apart, each node receiving `pace` chunks a
     second (the head: reading the NAS), never past its upstream in the order of the moment.
-    `links`: the driver's link probes, bytes a second into each node from the one before it."""
+    `links`: the driver's link probes, bytes a second into each node from the one before it.
+    `behind`: nodes whose answers reach the driver that many looks late (a full link), their
+    counts read on time."""
     from stager.fleet.broadcast.chain import _Route
     from stager.fleet.report import Progress
 
@@ -388,14 +391,23 @@ def _route_after(pace: dict[str, float], looks: int = 40, total: int = 4000, lin
                    Session(0, (Share("blobs/x", "blobs/x", total * CHUNK),), tuple((n, "h", 0) for n in names)),
                    lambda: dict(links or {}))
     held = dict.fromkeys(names, 0.0)
+    kept: dict[str, dict[int, Progress]] = {name: {} for name in names}
     for step in range(looks):
         order = [hop[0] for hop in route.chain]
         for index, name in enumerate(order):
             ahead = total if index == 0 else held[order[index - 1]]
             held[name] = max(held[name], min(ahead, held[name] + pace[name]))
-        answers = {name: Progress("broadcast", session=0, chunks=int(held[name])) for name in names}
-        watch = SimpleNamespace(same_look=lambda running, now=1000.0 + step: (now, answers))
-        route.check(set(names), watch)
+        for name in names:
+            kept[name][step] = Progress("broadcast", session=0, chunks=int(held[name]), read_at=500.0 + step)
+        shown = {name: {n: p for n, p in kept[name].items() if n <= step - (behind or {}).get(name, 0)}
+                 for name in names}
+
+        def same_look(running, shown=shown):
+            number = min(max(shown[name], default=-1) for name in running)
+            return None if number < 0 else (1000.0 + number, {name: shown[name][number] for name in running})
+
+        route.check(set(names), SimpleNamespace(
+            same_look=same_look, answers=lambda node, shown=shown: [(1000.0 + n, p) for n, p in sorted(shown[node].items())]))
     return route
 
 
@@ -417,7 +429,7 @@ def test_a_head_that_reads_the_nas_faster_than_the_links_moves_no_node_but_one_t
 def test_a_head_slower_than_the_links_between_the_others_is_moved_once_from_its_first_second_on():
     """The laggard rule never judges the head: a head at a quarter of the rate held every node at
     its pace. It is judged by the links the driver measured between the other nodes (the pull
-    into the node after it crossed the head's own link), from the second look at which it has
+    into the node after it crossed the head's own link), from its second answer at which it has
     landed chunks, and moved once; the next node then reads the NAS, and nobody else is moved.
     A head at the links' pace, or above a third of it, or landing far faster on a fast NAS, stays;
     without link measures nothing is judged."""
@@ -429,6 +441,14 @@ def test_a_head_slower_than_the_links_between_the_others_is_moved_once_from_its_
         assert [hop[0] for hop in route.chain] == ["b", "c", "d", "a"], (looks, route.chain)
         assert route.why_moved == {"a": SLOW_HEAD_WHY}
     assert _route_after({"a": 3.0, "b": 12.0, "c": 12.0, "d": 12.0}, looks=1, links=links).why_moved == {}
+    # Judged on its own answers: moved at its second, though another node's answers trail two
+    # looks behind (judged on looks every node had answered, it was moved two looks later); a
+    # head whose own answers are late is judged when they come.
+    route = _route_after({"a": 3.0, "b": 12.0, "c": 12.0, "d": 12.0}, looks=2, links=links, behind={"d": 2})
+    assert route.why_moved == {"a": SLOW_HEAD_WHY}, route.chain
+    for looks, moved in ((3, {}), (4, {"a": SLOW_HEAD_WHY})):
+        route = _route_after({"a": 3.0, "b": 12.0, "c": 12.0, "d": 12.0}, looks=looks, links=links, behind={"a": 2})
+        assert route.why_moved == moved, (looks, route.chain)
     for pace, told in (({"a": 12.0, "b": 12.0, "c": 12.0, "d": 12.0}, links),
                        # a healthy head slowed by its CPU (three streams a hop on 2 cores: 8 MiB/s
                        # against a probe's burst of 15 MB/s), which CI once moved
@@ -495,7 +515,8 @@ def test_a_silent_node_is_moved_only_once_the_node_after_it_stops_receiving():
         answers = {number: Progress("broadcast", session=0, chunks=int(10 + pace * number), read_at=500.0 + number,
                                     grew_at=None if grew_ago is None else 500.0 + number - grew_ago)
                    for number in range(3)}
-        return SimpleNamespace(by_look={"b": answers}, stalled=dict.fromkeys(stalled),
+        return SimpleNamespace(answers=lambda node: sorted(answers.items()) if node == "b" else [],
+                               stalled=dict.fromkeys(stalled),
                                silent_for=lambda seconds: set(lagging))
 
     for receiving in (watch(), watch(grew_ago=HELD_BACK - 0.1), watch(pace=2.5)):

@@ -453,7 +453,7 @@ def test_a_head_at_a_quarter_of_the_rate_is_moved_and_the_others_land_well_befor
     the laggard rule never judges the head. Now the head is judged by the links the driver measured
     between the other nodes, from its first second of landing on, and moved to the tail: the next
     node reads the NAS. The others land well before it, and are told why it moved. They still pay
-    its first seconds (1.22-1.49x the clean run on the lab over seven runs; docs/fleet.md)."""
+    its first seconds (1.22-1.49x the clean run on the lab over ten runs; docs/fleet.md)."""
     slow = list(lab.nodes)[0]
     landed, rows = broadcast_with_one_slow(lab, slow)
     others = max(seconds for n, seconds in landed.items() if n != slow)

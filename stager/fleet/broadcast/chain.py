@@ -16,7 +16,7 @@ from typing import Callable
 from stager.base.errors import StageError
 from stager.fleet.broadcast.keys import mint
 from stager.fleet.broadcast.relay import CHUNK, Session, Share, chunks_in
-from stager.fleet.liveness import START, Watch, gather
+from stager.fleet.liveness import LOOK_INTERVAL, START, Watch, gather
 from stager.fleet.report import Progress
 from stager.manifest import Manifest
 
@@ -45,6 +45,10 @@ HELD_BACK = 2.0
 # three streams a hop on 2 cores land 8 MiB/s), and CI moved one; a head whose link or disk is 4x
 # slower sits at a quarter or less.
 SLOW_HEAD_FRACTION = 1 / 3
+# The head is judged over at least this much of its own clock: a look's interval, less a tenth for
+# when a node reads its counts (a look's call that waited on a full link is read late, and the
+# next one on time).
+HEAD_SPAN = 0.9 * LOOK_INTERVAL
 SLOW_HEAD_WHY = "as the chain's head it read and passed on the data at less than a third of what the links carry"
 SILENT_WHY = f"it answered nothing for {SILENT_REROUTE:g}s while the node after it received little or nothing"
 # After a move, nobody is judged for this long: the rerouted nodes are reconnecting, and a second
@@ -138,13 +142,16 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
     running = {relays[name].run.remote(session, last[name] == session.number): name for name, _, _ in session.chain}
     route = _Route(relays, session, links)
     while running:
-        ready, _ = ray.wait(list(running), num_returns=1,
+        # Woken by an answer to a look too, not only by a relay ending: a slow head's answers reach
+        # the driver late on its full link, and each waited for the next look to be read.
+        ready, _ = ray.wait(list(running) + watch.pending(), num_returns=1,
                             timeout=max(0.0, min(watch.next_look(), deadline - time.monotonic())))
         watch.look()
         silent = set(watch.stalled) | watch.silent_for(SILENT_REROUTE)
         route.around(silent, set(running.values()) - silent, route.still_sending(silent, watch))
+        ended = [ref for ref in ready if ref in running]
         running = {ref: name for ref, name in running.items() if name not in watch.stalled}
-        if not ready:
+        if not ended:
             if time.monotonic() >= deadline:
                 for name in running.values():
                     stats[name]["error"] = "the broadcast did not finish within its share of --timeout"
@@ -152,11 +159,11 @@ def _run_chain(ray, relays: dict, session: Session, stats: dict[str, dict], dead
                 return
             route.check(set(running.values()) - silent, watch)
             continue
-        if ready[0] not in running:
+        if ended[0] not in running:
             continue  # its node was just found stalled
-        name = running.pop(ready[0])
+        name = running.pop(ended[0])
         try:
-            got = ray.get(ready[0])
+            got = ray.get(ended[0])
         except Exception as exc:  # noqa: BLE001 - the relay died (kill -9, OOM): its mirror stages it
             stats[name]["error"] = f"relay failed: {_last_line(exc)}"
             if isinstance(exc, ray.exceptions.RayActorError):
@@ -218,6 +225,9 @@ class _Route:
         self.after_head = 0.0  # the best rate a node right after the head has received at
         self.untold: set[str] = set()  # moved while silent: told the order once it answers again
         self.why_moved: dict[str, str] = {}  # every node moved, and why, for its row
+        # The head's first answer after the last reroute at which it had landed a chunk: the
+        # head, on its clock when, and chunks held (_slow_head).
+        self.head_landing: tuple[str, float, int] | None = None
 
     def around(self, silent: set[str], answering: set[str], sending: set[str] = frozenset(),
                why: str = SILENT_WHY) -> None:
@@ -249,7 +259,7 @@ class _Route:
         sending = set()
         for name in silent - set(watch.stalled):
             after = names[names.index(name) + 1] if name in names[:-1] else None
-            answers = sorted(watch.by_look.get(after, {}).items()) if after is not None else []
+            answers = watch.answers(after) if after is not None else []
             if not best or after in lagging or len(answers) < 2:
                 continue
             (_, first), (_, last) = answers[0], answers[-1]
@@ -260,24 +270,24 @@ class _Route:
         return sending
 
     def check(self, running: set[str], watch: Watch) -> None:
-        """The laggard rule, on the latest look every running node answered."""
+        """The slow-head rule, on the head's own answers; the laggard rule, on the latest look
+        every running node answered."""
+        names = [name for name, _, _ in self.chain]
+        moved_at = self._slow_head(names, running, watch)
+        if moved_at is not None:
+            self.moved.add(names[0])
+            self._to_tail(names[0], SLOW_HEAD_WHY, running, moved_at)
+            return
         look = watch.same_look(running)
         if look is None or look[0] <= self.seen:
             return
         now, answers = look
         self.seen = now
-        names = [name for name, _, _ in self.chain]
         held = {name: self._held(answers[name]) for name in running}
         for name in names:
             held.setdefault(name, self.total)  # finished (or gone: its downstream looks elsewhere)
         settled = [look for look in self.looks if look[0] >= self.quiet_until]
         self.looks = settled[-(RATE_LOOKS - 1):] + [(now, held)]
-        if len(self.looks) < 2:
-            return
-        if self._slow_head(names, held, now):
-            self.moved.add(names[0])
-            self._to_tail(names[0], SLOW_HEAD_WHY, running, now)
-            return
         if len(self.looks) < RATE_LOOKS:
             return  # a laggard's rate needs that many looks, all after the last reroute settled
         then, before = self.looks[0]
@@ -292,28 +302,41 @@ class _Route:
             self.moved.add(name)
             self._to_tail(name, "it fell behind its upstream", running, now)
 
-    def _slow_head(self, names: list[str], held: dict[str, int], now: float) -> bool:
-        """Whether the head holds the chain back: since the first of the looks kept at which it had
-        landed a chunk (its NAS open and first samples are not its pace), it has landed chunks at
-        less than SLOW_HEAD_FRACTION of what a link between two other nodes carried (the driver's link
-        probes, Ray's own transfer, while the agents planned; the pull into the node after the
+    def _slow_head(self, names: list[str], running: set[str], watch: Watch) -> float | None:
+        """When the look asked that showed the head holding the chain back, or None: since the
+        first of its answers at which it had landed a chunk (its NAS open and first samples are
+        not its pace), and for at least a look's interval on its own clock, it has landed chunks at
+        less than SLOW_HEAD_FRACTION of what a link between two other nodes carried (the driver's
+        link probes, Ray's own transfer, while the agents planned; the pull into the node after the
         head crossed the head's own link, so it is no measure of the others). The laggard rule
         never judges the head, which reads the NAS for everyone, so a head with a slow link or
         disk held every node at its pace (the lab, dgx1 at a quarter of the rate: the others
         landed at 25.8 s against 9.2 s); and the node after it, starved, was taken for a laggard.
-        So the head is judged first, from its first second of landing on. Moved, the next node
-        reads the NAS from the chunk it was missing, and the head takes its chunks at the tail.
-        Once a session (why_moved keeps that it was): on a NAS slower than the links the
+
+        Judged on the head's answers alone, timed by its clock: a slow head's link is full, its
+        answers reach the driver late, and a look every node had answered came a second after
+        the head's own (the lab's slow head was moved at 3 s of landing, not 2). Moved, the next
+        node reads the NAS from the chunk it was missing, and the head takes its chunks at the
+        tail. Once a session (why_moved keeps that it was): on a NAS slower than the links the
         new head is no faster, and one reroute is all that costs."""
-        if SLOW_HEAD_WHY in self.why_moved.values() or len(names) < 3:
-            return False
+        if SLOW_HEAD_WHY in self.why_moved.values() or len(names) < 3 or names[0] not in running:
+            return None
         head, after = names[0], names[1]
-        landing = [(when, looked[head]) for when, looked in self.looks[:-1] if looked.get(head)]
-        if not landing or held[head] >= self.total:
-            return False
-        then, before = landing[0]
+        landing = [(asked, answer.read_at, self._held(answer)) for asked, answer in watch.answers(head)
+                   if asked >= self.quiet_until and self._held(answer)]
+        if not landing:
+            return None
+        if self.head_landing is None or self.head_landing[0] != head:
+            self.head_landing = (head, *landing[0][1:])
+        _, then, before = self.head_landing
+        asked, read_at, held = landing[-1]
+        span = read_at - then
+        if held >= self.total or span < HEAD_SPAN:
+            return None
         measured = [rate for node, rate in self.links().items() if node not in (head, after) and node in names]
-        return bool(measured) and (held[head] - before) / max(now - then, 1e-3) < SLOW_HEAD_FRACTION * max(measured) / CHUNK
+        if measured and (held - before) / span < SLOW_HEAD_FRACTION * max(measured) / CHUNK:
+            return asked
+        return None
 
     def _held(self, progress: Progress) -> int:
         """Chunks a node held of this session at its answer: none before it started it, all once past it."""
@@ -330,6 +353,7 @@ class _Route:
         lab's fast NAS took 93 s where 2 took 47."""
         self.why_moved[name] = why
         self.quiet_until = now + REROUTE_GRACE
+        self.head_landing = None
         self.chain = tuple(hop for hop in self.chain if hop[0] != name) + tuple(
             hop for hop in self.chain if hop[0] == name)
         for node in running:
