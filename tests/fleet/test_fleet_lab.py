@@ -22,9 +22,10 @@ from conftest import bytes_written
 from fleet_lab import MARK, NS_PREFIX, leftovers, present_runs, run
 from fleet_lab_fixtures import (WIRE_OVERHEAD, FleetRun, assert_every_byte_right,  # noqa: F401
                                 broadcast_sample_allowance, fleet, lab, lab_missing, mirror, sample_allowance)
+from stager.base.progress_pipe import INTERVAL
 from stager.fleet.choice import PROBE_SHARE
 from stager.fleet.probe import PROBE_MIN
-from stager.fleet.liveness import SILENCE
+from stager.fleet.liveness import LOOK_INTERVAL, SILENCE
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "lab" / "fleet_lab.py"
 pytestmark = pytest.mark.skipif(lab_missing() is not None, reason=lab_missing() or "")
@@ -319,22 +320,26 @@ def test_a_node_killed_half_way_is_routed_around_and_a_rerun_stages_it(lab, clea
     assert_every_byte_right(lab)
 
 
-class FreezeHalfWay:
-    """SIGSTOP every process of a node once it has received half the data (`received`: by default
-    what its link carried to it), from a thread; `thaw` (always, in a finally) stops the thread
-    first, so no freeze can come after it."""
+class FreezePartWay:
+    """SIGSTOP every process of a node once it has received `share` of the data (`received`: by
+    default what its link carried to it; `marked`, what it had then), and `then` seconds more,
+    from a thread; `thaw` (always, in a finally) stops the thread first, so no freeze can come
+    after it."""
 
-    def __init__(self, lab, victim, received=None):
-        self.lab, self.victim = lab, victim
+    def __init__(self, lab, victim, received=None, share: float = 0.5, then: float = 0.0):
+        self.lab, self.victim, self.share, self.then = lab, victim, share, then
         start = lab.counters(victim).tx_bytes  # the root-namespace end sends what the node receives
         self.received = received or (lambda: lab.counters(victim).tx_bytes - start)
+        self.marked = 0
         self.stop, self.frozen = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._freeze, daemon=True)
         self.thread.start()
 
     def _freeze(self) -> None:
-        while not self.stop.is_set() and self.received() < self.lab.data_bytes // 2:
+        while not self.stop.is_set() and (marked := self.received()) < self.share * self.lab.data_bytes:
             time.sleep(0.05)
+        self.marked = marked
+        self.stop.wait(self.then)
         if not self.stop.is_set():
             self.lab.freeze_node(self.victim.name)
             self.frozen.set()
@@ -352,7 +357,7 @@ def test_a_node_frozen_half_way_is_reported_stalled_and_a_rerun_stages_it(lab, c
     it held; the others' bytes are right. After SIGCONT a re-run stages dgx2."""
     nodes = list(lab.nodes)
     victim = lab.nodes[nodes[1]]  # in the middle: dgx3 takes its chunks from it
-    freeze = FreezeHalfWay(lab, victim)
+    freeze = FreezePartWay(lab, victim)
     try:
         run = broadcast(lab, "--timeout", "120")
         frozen = freeze.frozen.is_set()
@@ -379,15 +384,20 @@ def test_a_node_frozen_half_way_is_reported_stalled_and_a_rerun_stages_it(lab, c
 
 def test_a_node_frozen_half_way_through_its_own_mirror_is_reported_stalled(lab, one_node):
     """--transport nas: every node runs its own `stage mirror`, reading the NAS. Every process of
-    dgx2's namespace stopped once it has read half the data: the command returns once dgx2 has
+    dgx2's namespace stopped part-way through its copy: the command returns once dgx2 has
     answered nothing for SILENCE, not at its --timeout, dgx2 `stalled` with what it had copied,
     the others' bytes right; after SIGCONT a re-run stages dgx2."""
     nodes = list(lab.nodes)
     victim = lab.nodes[nodes[1]]
-    # Half its data written by its own mirror: its link carries more than the mirror's reads (it
-    # had carried half the data while the mirror had written 0 to 8 MB).
-    freeze = FreezeHalfWay(lab, victim, lambda: sum(bytes_written(pid) for pid in lab.pids(victim)
-                                                    if is_node_mirror(pid)))
+    # A quarter of its data written by its own mirror (its link carries more than the mirror's
+    # reads: it had carried half the data while the mirror had written 0 to 8 MB), then a look's
+    # interval and two progress lines' more: the driver has asked since every count up to the
+    # mark was written. The lab's files are one copy buffer each, three copied at once, so the
+    # counts grow by whole files: the mark is a quarter, not half, so that the next three do not
+    # all land before the freeze and end the copy.
+    freeze = FreezePartWay(lab, victim, lambda: sum(bytes_written(pid) for pid in lab.pids(victim)
+                                                    if is_node_mirror(pid)),
+                           share=0.25, then=LOOK_INTERVAL + 2 * INTERVAL)
     try:
         run = mirror(lab, "--transport", "nas", "--timeout", "240")
         frozen = freeze.frozen.is_set()
@@ -402,6 +412,10 @@ def test_a_node_frozen_half_way_through_its_own_mirror_is_reported_stalled(lab, 
     held = report[victim.name]["progress"]
     assert held["phase"] == "mirror" and 0 < held["copy_done"] < held["copy_total"], \
         (held, report[victim.name]["error"])
+    # Every count reached before the mark was told: a count held back by the interval between two
+    # progress lines once stayed unsaid (one file of the three written, for seconds). What the
+    # mirror wrote, less its own progress lines (a few KiB; a lost count is a whole 8 MiB file).
+    assert held["copy_done"] >= freeze.marked - 64 * 1024, (held, freeze.marked)
     survivors = [n for n in nodes if n != victim.name]
     assert all(report[n]["status"] == "ok" for n in survivors), report
     assert_every_byte_right(lab, survivors)
