@@ -241,20 +241,27 @@ class Probes:
 
     def _known_links(self) -> dict[str, float]:
         if self.told.relay_rate is not None:
-            return {name: float(self.told.relay_rate) for name in self.agents}
+            return self._told_links(list(self.agents))
         if self.links:
             ready, _ = self.ray.wait(list(self.links), num_returns=len(self.links), timeout=0)
+            answers = {}
             for ref in ready:
                 name = self.links.pop(ref)
                 try:
-                    rate = self.ray.get(ref)
+                    answers[name] = self.ray.get(ref)
                 except Exception:  # noqa: BLE001 - a pull that failed measured nothing
                     continue
-                if isinstance(rate, float):
-                    self.link_rates[name] = rate
-            if not self.links:
-                self._payloads = {}  # the payloads leave the object stores
+            self._keep_links(answers)
         return dict(self.link_rates)
+
+    def _told_links(self, names: list[str]) -> dict[str, float]:
+        return {name: float(self.told.relay_rate) for name in names}
+
+    def _keep_links(self, answers: dict[str, object]) -> None:
+        """Keep the rates of the pulls that answered with one; once none is out, let go of the payloads."""
+        self.link_rates.update({name: rate for name, rate in answers.items() if isinstance(rate, float)})
+        if not self.links:
+            self._payloads = {}  # the payloads leave the object stores
 
     def _nas_outruns(self, names: list[str], nas_alone: float, ceiling: dict[str, float]) -> bool:
         """Whether the NAS, read by the head alone, is NAS_MARGIN times faster than what the chain
@@ -292,13 +299,12 @@ class Probes:
         """Each node's link from the one before it: told, or as measured; unless `wait`, a pull
         not done yet gives its rate so far (none before its second piece)."""
         if self.told.relay_rate is not None:
-            return {name: float(self.told.relay_rate) for name in names}
-        if not self.links:
-            return {name: rate for name, rate in self.link_rates.items() if name in names}
-        if wait:
+            return self._told_links(names)
+        if wait and self.links:
             answers = gather(self.ray, self.links, self.watch, time.monotonic() + PROBE_WAIT)
-            self.links, self._payloads = {}, {}  # the payloads leave the object stores
-            self.link_rates.update({name: rate for name, rate in answers.items() if isinstance(rate, float)})
+            self.links = {}
+            self._keep_links(answers)
+        if not self.links:
             return {name: rate for name, rate in self.link_rates.items() if name in names}
         running = [name for name in self.links.values() if name in names]
         so_far = self._ask({name: self.agents[name].probe_pulled.remote() for name in running})
