@@ -60,6 +60,7 @@ class Rates:
     cpu: dict[str, float] = field(default_factory=dict)  # what each node's CPU gives a relay's work
     ceiling: dict[str, float] = field(default_factory=dict)  # the most each node's cores could give a relay
     told: tuple[str, ...] = ()  # the [fleet] keys these came from
+    bwlimit: float | None = None  # --bwlimit: no node reads the NAS, nor sends to a peer, faster
 
     def relay(self, node: str) -> float | None:
         """What `node` can receive and pass on: the least of its link and its CPU, as known."""
@@ -117,17 +118,26 @@ def choose(groups: list[tuple[tuple[str, ...], tuple[Share, ...]]], rates: Rates
 
 
 def _group_choice(members: tuple[str, ...], files: tuple[Share, ...], rates: Rates) -> GroupChoice:
+    """Direct reads only when they beat the broadcast's streaming time: within the chain's fill (a
+    chunk's time per hop) of each other, the broadcast, which reads the NAS once instead of N
+    times. Under a --bwlimit below every measure both move at the limit, and direct reads won by
+    the fill alone, reading the NAS at N times the limit the operator set."""
     size = sum(share.size for share in files)
     broadcast_rate, bound = _broadcast_rate(members, rates)
     broadcast = size / broadcast_rate + (len(members) - 1) * CHUNK / broadcast_rate if broadcast_rate else None
-    direct_rates = [rates.nas_each.get(name) for name in members]
-    direct = size / min(direct_rates) if direct_rates and all(direct_rates) else None
-    if direct is not None and (broadcast is None or direct < broadcast):
-        slowest = min(members, key=lambda name: rates.nas_each[name])
+    direct_rates = {name: _capped(rates.nas_each.get(name), rates.bwlimit) for name in members}
+    direct = size / min(direct_rates.values()) if direct_rates and all(direct_rates.values()) else None
+    if direct is not None and (broadcast is None or direct < size / broadcast_rate):
+        slowest = min(members, key=lambda name: direct_rates[name])
+        capped = " (--bwlimit)" if direct_rates[slowest] == rates.bwlimit else ""
         return GroupChoice(members, len(files), size, "nas", {"broadcast": broadcast, "nas": direct},
-                           f"each node reads the NAS at {_rate(rates.nas_each[slowest])} with {len(members)} "
+                           f"each node reads the NAS at {_rate(direct_rates[slowest])}{capped} with {len(members)} "
                            f"reading ({slowest} the slowest)")
     return GroupChoice(members, len(files), size, "broadcast", {"broadcast": broadcast, "nas": direct}, bound)
+
+
+def _capped(rate: float | None, limit: float | None) -> float | None:
+    return rate if rate is None or limit is None else min(rate, limit)
 
 
 def _direct_wins(groups: list[tuple[tuple[str, ...], tuple[Share, ...]]], rates: Rates) -> bool:
@@ -146,6 +156,8 @@ def _broadcast_rate(members: tuple[str, ...], rates: Rates) -> tuple[float | Non
             candidates.append((cpu, f"{name}'s CPU carries a relay at {_rate(cpu)}"))
         if ceiling:
             candidates.append((ceiling, f"{name}'s cores carry a relay at {_rate(ceiling)} at most"))
+    if rates.bwlimit and candidates:
+        candidates.append((rates.bwlimit, f"--bwlimit caps every node at {_rate(rates.bwlimit)}"))
     if not candidates:
         return None, "no rate known"
     return min(candidates, key=lambda item: item[0])
@@ -208,28 +220,33 @@ class Probes:
     def rates(self, groups: list[tuple[tuple[str, ...], tuple[Share, ...]]]) -> Rates:
         told = self.told
         keys = tuple(key for key in ("nas_rate", "nas_node_rate", "relay_rate") if getattr(told, key) is not None)
+        bwlimit = float(self.send_limit) if self.send_limit else None
         if not groups:
-            return Rates(told=keys)
+            return Rates(told=keys, bwlimit=bwlimit)
         names = [name for name in self.agents if any(name in members for members, _ in groups)]
         largest = max((share for _, files in groups for share in files), key=lambda share: share.size)
         data = sum(share.size for _, files in groups for share in files)
         nas_alone, ceiling = self._nas_alone(names[0], largest, int(PROBE_SHARE * data))
         nas_each = self._nas_told(names)
-        if not nas_each and nas_alone is not None and self._nas_outruns(names, nas_alone, ceiling):
+        if not nas_each and nas_alone is not None and self._nas_outruns(names, _capped(nas_alone, bwlimit), ceiling):
             nas_each, ceiling = self._nas_each(names, largest, data)
         # Direct reads that beat the most the broadcast could do need nothing more measured: by the
         # links so far, looked at while their pulls run (rough: HASTE_MARGIN times what they show),
         # then by the links measured (the CPU can only slow a chain).
         for links, done in self._links_as_they_come(names) if nas_each else ():
             most = links if done else {name: HASTE_MARGIN * rate for name, rate in links.items()}
-            if _direct_wins(groups, Rates(nas_alone=nas_alone, nas_each=nas_each, link=most, ceiling=ceiling)):
-                return Rates(nas_alone=nas_alone, nas_each=nas_each, link=links, ceiling=ceiling, told=keys)
+            if _direct_wins(groups, Rates(nas_alone=nas_alone, nas_each=nas_each, link=most, ceiling=ceiling,
+                                          bwlimit=bwlimit)):
+                return Rates(nas_alone=nas_alone, nas_each=nas_each, link=links, ceiling=ceiling, told=keys,
+                             bwlimit=bwlimit)
         link = self._links(names, wait=True)
         cpu = self._cpu(names)
         pace = _pace([rate for rate in (Rates(link=link, cpu=cpu).relay(name) for name in names[1:]) if rate], [])
-        if not nas_each and nas_alone is not None and pace is not None and nas_alone > NAS_MARGIN * pace:
+        if not nas_each and nas_alone is not None and pace is not None and \
+                _capped(nas_alone, bwlimit) > NAS_MARGIN * pace:
             nas_each, ceiling = self._nas_each(names, largest, data)  # the CPU, not the link, holds the chain back
-        return Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, cpu=cpu, ceiling=ceiling, told=keys)
+        return Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, cpu=cpu, ceiling=ceiling, told=keys,
+                     bwlimit=bwlimit)
 
     def known_links(self) -> dict[str, float]:
         """What each link carries as far as measured, without waiting (told: relay_rate for every

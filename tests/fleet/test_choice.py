@@ -73,6 +73,43 @@ def test_the_links_the_chain_judges_its_head_by_are_no_faster_than_the_bwlimit()
     assert capped == dict.fromkeys(NODES, 2 * 1024 * 1024)
 
 
+def test_under_a_bwlimit_below_the_links_a_fast_nas_keeps_the_broadcast():
+    """--bwlimit caps each node's NAS reads and each relay's sends: on a NAS faster than the links
+    direct reads win uncapped, but at a cap below the links both move at the cap, and direct reads
+    would read the NAS at N times it for nothing. Above the links the cap masks no real win."""
+    fast = dict(nas_alone=2000 * MB, nas_each={name: 600 * MB for name in NODES}, link={name: 25 * MB for name in NODES})
+    [capped] = choose(GROUP, Rates(**fast, bwlimit=10 * MB))
+    assert capped.transport == "broadcast" and capped.limit == "--bwlimit caps every node at 9.54 MiB/s", capped
+    assert capped.seconds["nas"] == pytest.approx(2000 / 10) and capped.seconds["broadcast"] > capped.seconds["nas"]
+    [above] = choose(GROUP, Rates(**fast, bwlimit=100 * MB))
+    assert above.transport == "nas" and above.seconds["nas"] == pytest.approx(2000 / 100), above
+    assert above.limit.startswith("each node reads the NAS at 95.37 MiB/s (--bwlimit) with 4 reading"), above.limit
+
+
+def test_within_the_chains_fill_of_direct_reads_the_broadcast_is_chosen():
+    """Direct reads as fast as the chain's slowest hop finish a chunk's time per hop sooner, and
+    read the NAS four times: the broadcast. A little faster than that, direct reads."""
+    even = Rates(nas_alone=100 * MB, nas_each={name: 25 * MB for name in NODES}, link={name: 25 * MB for name in NODES})
+    [chosen] = choose(GROUP, even)
+    assert chosen.transport == "broadcast" and chosen.seconds["nas"] < chosen.seconds["broadcast"], chosen
+    ahead = Rates(nas_alone=100 * MB, nas_each={name: 26 * MB for name in NODES}, link={name: 25 * MB for name in NODES})
+    assert choose(GROUP, ahead)[0].transport == "nas"
+
+
+def test_under_a_bwlimit_below_the_links_no_node_reads_the_nas_to_measure_direct_reads():
+    """The head reads a NAS far faster than the links, but no node may read it faster than the
+    cap, which is below the links: direct reads cannot win, and no node reads 2 % of the data
+    to measure them."""
+    asked: list[str] = []
+    agents = {name: _agent(nas=2000 * MB, ceiling=1200 * MB, link=25.0 * MB, asked=asked) for name in NODES}
+    rates = Probes(FakeRay(), agents, QuietWatch(), FleetConfig(), send_limit=10 * MB).rates(GROUP)
+    assert asked.count("nas") == 1 and rates.nas_each == {} and rates.bwlimit == 10 * MB, (asked, rates)
+    assert choose(GROUP, rates)[0].transport == "broadcast"
+    asked.clear()
+    uncapped = Probes(FakeRay(), agents, QuietWatch(), FleetConfig()).rates(GROUP)
+    assert asked.count("nas") == 1 + len(NODES) and choose(GROUP, uncapped)[0].transport == "nas", asked
+
+
 def _agent(nas: float, ceiling: float, link: float | None = None, asked: list | None = None,
            nas_alone: float | None = None, so_far: tuple = ()) -> SimpleNamespace:
     """A node whose NAS reads at `nas` (`nas_alone` the first time, if given: the head reading it
@@ -219,7 +256,10 @@ def test_the_table_and_the_json_say_what_was_chosen_and_the_rates_behind_it():
                                           "seconds": {"broadcast": 80.13, "nas": 3.33},
                                           "limit": "each node reads the NAS at 572.20 MiB/s with 4 reading "
                                                    "(dgx1 the slowest)"}]
-    assert shown["choice"]["rates"]["link"] == dict.fromkeys(NODES, 25 * MB)
+    assert shown["choice"]["rates"]["link"] == dict.fromkeys(NODES, 25 * MB) and shown["choice"]["rates"]["bwlimit"] is None
+    capped = Rates(nas_alone=2000 * MB, nas_each=dict.fromkeys(NODES, 600 * MB), link=dict.fromkeys(NODES, 25 * MB),
+                   bwlimit=10 * MB)
+    assert Choice(tuple(choose(GROUP, capped)), capped).to_json()["rates"]["bwlimit"] == 10 * MB
     lines = table(report)
     assert any(line.startswith("transport: direct reads for 4 files (1.86 GiB) on dgx1, dgx2, dgx3, dgx4: "
                                "3.3s against 80.1s predicted") for line in lines), lines
