@@ -524,3 +524,20 @@ def test_a_nas_faster_than_the_links_flips_the_choice_to_direct_reads(lab):
     # share of the run: on 48 MiB direct reads take about 2 s, and 1.5x of that once failed by 0.02 s.
     assert chosen.seconds <= direct.seconds + 2.0 and chosen.seconds < forced.seconds, (
         chosen.seconds, direct.seconds, forced.seconds)
+
+
+def test_under_a_bwlimit_below_the_links_a_fast_nas_keeps_the_broadcast(lab):
+    """The same fast NAS with --bwlimit below the links: no node may read it, nor send to a peer,
+    faster than the cap, so direct reads would take as long as the chain and read the NAS once
+    per node: the broadcast is kept, its line says why, and every byte is right."""
+    nodes = list(lab.nodes)
+    manifest = lab.manifest_with("fast-nas.toml", {}, fast_nas=True)
+    run = mirror(lab, "--bwlimit", "6M", manifest=manifest)
+    assert run.code == 0, run.stderr
+    report = run.report
+    assert report["transport"] == "broadcast", report["choice"]
+    [group] = report["choice"]["groups"]
+    assert group["transport"] == "broadcast" and group["limit"] == "--bwlimit caps every node at 6.00 MiB/s", group
+    assert report["choice"]["rates"]["bwlimit"] == 6 * 1024 * 1024 and report["choice"]["rates"]["nas_each"] == {}
+    assert all(report["nodes"][n]["peer_bytes"] > 0 for n in nodes[1:]), report["nodes"]
+    assert_every_byte_right(lab)
