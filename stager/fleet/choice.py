@@ -198,7 +198,7 @@ class Probes:
     def __init__(self, ray, agents: dict, watch: Watch, told: FleetConfig, send_limit: int | None = None,
                  choosing: bool = True):
         self.ray, self.agents, self.watch, self.told = ray, agents, watch, told
-        self.send_limit = send_limit  # --bwlimit: no relay sends faster, whatever its link
+        self.bwlimit = float(send_limit) if send_limit else None  # --bwlimit: no relay sends faster, whatever its link
         self.links: dict = {}  # the link probes still out: ObjectRef -> the node pulling
         self.link_rates: dict[str, float] = {}
         self._payloads: dict = {}
@@ -220,15 +220,15 @@ class Probes:
     def rates(self, groups: list[tuple[tuple[str, ...], tuple[Share, ...]]]) -> Rates:
         told = self.told
         keys = tuple(key for key in ("nas_rate", "nas_node_rate", "relay_rate") if getattr(told, key) is not None)
-        bwlimit = float(self.send_limit) if self.send_limit else None
         if not groups:
-            return Rates(told=keys, bwlimit=bwlimit)
+            return Rates(told=keys, bwlimit=self.bwlimit)
         names = [name for name in self.agents if any(name in members for members, _ in groups)]
         largest = max((share for _, files in groups for share in files), key=lambda share: share.size)
         data = sum(share.size for _, files in groups for share in files)
         nas_alone, ceiling = self._nas_alone(names[0], largest, int(PROBE_SHARE * data))
         nas_each = self._nas_told(names)
-        if not nas_each and nas_alone is not None and self._nas_outruns(names, _capped(nas_alone, bwlimit), ceiling):
+        head_read = _capped(nas_alone, self.bwlimit)  # no node reads the NAS faster than --bwlimit
+        if not nas_each and head_read is not None and self._nas_outruns(names, head_read, ceiling):
             nas_each, ceiling = self._nas_each(names, largest, data)
         # Direct reads that beat the most the broadcast could do need nothing more measured: by the
         # links so far, looked at while their pulls run (rough: HASTE_MARGIN times what they show),
@@ -236,25 +236,23 @@ class Probes:
         for links, done in self._links_as_they_come(names) if nas_each else ():
             most = links if done else {name: HASTE_MARGIN * rate for name, rate in links.items()}
             if _direct_wins(groups, Rates(nas_alone=nas_alone, nas_each=nas_each, link=most, ceiling=ceiling,
-                                          bwlimit=bwlimit)):
+                                          bwlimit=self.bwlimit)):
                 return Rates(nas_alone=nas_alone, nas_each=nas_each, link=links, ceiling=ceiling, told=keys,
-                             bwlimit=bwlimit)
+                             bwlimit=self.bwlimit)
         link = self._links(names, wait=True)
         cpu = self._cpu(names)
         pace = _pace([rate for rate in (Rates(link=link, cpu=cpu).relay(name) for name in names[1:]) if rate], [])
-        if not nas_each and nas_alone is not None and pace is not None and \
-                _capped(nas_alone, bwlimit) > NAS_MARGIN * pace:
+        if not nas_each and head_read is not None and pace is not None and head_read > NAS_MARGIN * pace:
             nas_each, ceiling = self._nas_each(names, largest, data)  # the CPU, not the link, holds the chain back
         return Rates(nas_alone=nas_alone, nas_each=nas_each, link=link, cpu=cpu, ceiling=ceiling, told=keys,
-                     bwlimit=bwlimit)
+                     bwlimit=self.bwlimit)
 
     def known_links(self) -> dict[str, float]:
         """What each link carries as far as measured, without waiting (told: relay_rate for every
         node), and no more than --bwlimit: for the chain, which judges its head by them
         (chain._Route._slow_head). Uncapped, a head reading the NAS at a 2 MiB/s --bwlimit was
         slower than a third of a loopback link's pull, and moved for nothing."""
-        cap = float(self.send_limit) if self.send_limit else float("inf")
-        return {name: min(rate, cap) for name, rate in self._known_links().items()}
+        return {name: _capped(rate, self.bwlimit) for name, rate in self._known_links().items()}
 
     def _known_links(self) -> dict[str, float]:
         if self.told.relay_rate is not None:

@@ -338,6 +338,8 @@ class FreezePartWay:
     def _freeze(self) -> None:
         while not self.stop.is_set() and (marked := self.received()) < self.share * self.lab.data_bytes:
             time.sleep(0.05)
+        if self.stop.is_set():
+            return  # thawed before the mark: nothing to freeze
         self.marked = marked
         self.stop.wait(self.then)
         if not self.stop.is_set():

@@ -225,9 +225,9 @@ class _Route:
         self.after_head = 0.0  # the best rate a node right after the head has received at
         self.untold: set[str] = set()  # moved while silent: told the order once it answers again
         self.why_moved: dict[str, str] = {}  # every node moved, and why, for its row
-        # The head's first answer after the last reroute at which it had landed a chunk: the
-        # head, on its clock when, and chunks held (_slow_head).
-        self.head_landing: tuple[str, float, int] | None = None
+        # The head's first answer since the chain last changed at which it had landed a chunk: on
+        # its clock when, and chunks held (_slow_head). Every move clears it (_to_tail).
+        self.head_landing: tuple[float, int] | None = None
 
     def around(self, silent: set[str], answering: set[str], sending: set[str] = frozenset(),
                why: str = SILENT_WHY) -> None:
@@ -322,13 +322,13 @@ class _Route:
         if SLOW_HEAD_WHY in self.why_moved.values() or len(names) < 3 or names[0] not in running:
             return None
         head, after = names[0], names[1]
-        landing = [(asked, answer.read_at, self._held(answer)) for asked, answer in watch.answers(head)
-                   if asked >= self.quiet_until and self._held(answer)]
+        settled = ((asked, answer.read_at, self._held(answer)) for asked, answer in watch.answers(head)
+                   if asked >= self.quiet_until)
+        landing = [look for look in settled if look[2]]
         if not landing:
             return None
-        if self.head_landing is None or self.head_landing[0] != head:
-            self.head_landing = (head, *landing[0][1:])
-        _, then, before = self.head_landing
+        self.head_landing = self.head_landing or landing[0][1:]
+        then, before = self.head_landing
         asked, read_at, held = landing[-1]
         span = read_at - then
         if held >= self.total or span < HEAD_SPAN:
