@@ -124,10 +124,11 @@ def _group_choice(members: tuple[str, ...], files: tuple[Share, ...], rates: Rat
     the fill alone, reading the NAS at N times the limit the operator set."""
     size = sum(share.size for share in files)
     broadcast_rate, bound = _broadcast_rate(members, rates)
-    broadcast = size / broadcast_rate + (len(members) - 1) * CHUNK / broadcast_rate if broadcast_rate else None
+    streaming = size / broadcast_rate if broadcast_rate else None
+    broadcast = streaming + (len(members) - 1) * CHUNK / broadcast_rate if broadcast_rate else None
     direct_rates = {name: _capped(rates.nas_each.get(name), rates.bwlimit) for name in members}
     direct = size / min(direct_rates.values()) if direct_rates and all(direct_rates.values()) else None
-    if direct is not None and (broadcast is None or direct < size / broadcast_rate):
+    if direct is not None and (streaming is None or direct < streaming):
         slowest = min(members, key=lambda name: direct_rates[name])
         capped = " (--bwlimit)" if direct_rates[slowest] == rates.bwlimit else ""
         return GroupChoice(members, len(files), size, "nas", {"broadcast": broadcast, "nas": direct},
@@ -195,10 +196,11 @@ class Probes:
     """The run's measures, started as soon as the agents are (the links, while they plan), and
     completed once the groups are known, each only if it can change the choice."""
 
-    def __init__(self, ray, agents: dict, watch: Watch, told: FleetConfig, send_limit: int | None = None,
+    def __init__(self, ray, agents: dict, watch: Watch, told: FleetConfig, bwlimit: int | None = None,
                  choosing: bool = True):
         self.ray, self.agents, self.watch, self.told = ray, agents, watch, told
-        self.bwlimit = float(send_limit) if send_limit else None  # --bwlimit: no relay sends faster, whatever its link
+        # --bwlimit: no node reads the NAS, nor sends to a peer, faster, whatever its link.
+        self.bwlimit = float(bwlimit) if bwlimit else None
         self.links: dict = {}  # the link probes still out: ObjectRef -> the node pulling
         self.link_rates: dict[str, float] = {}
         self._payloads: dict = {}

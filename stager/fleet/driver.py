@@ -162,7 +162,7 @@ def broadcast_shared(driver: "Driver", names: list[str], told: BroadcastOptions)
                                              full=told.full, bwlimit=told.bwlimit, streams=told.streams,
                                              where=driver.where))
     # The links are measured whether or not the driver chooses: the chain judges its head by them.
-    probes = Probes(driver.ray, driver.agents, watch, manifest.fleet, send_limit=told.bwlimit,
+    probes = Probes(driver.ray, driver.agents, watch, manifest.fleet, bwlimit=told.bwlimit,
                     choosing=driver.choosing)
 
     def plan():

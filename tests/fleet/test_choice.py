@@ -69,7 +69,7 @@ def test_the_links_the_chain_judges_its_head_by_are_no_faster_than_the_bwlimit()
     head reading the NAS at a 2 MiB/s --bwlimit is the chain's pace, not a third of a loopback's."""
     told = FleetConfig(relay_rate=3000 * MB)
     assert Probes(None, dict.fromkeys(NODES), None, told).known_links() == dict.fromkeys(NODES, 3000 * MB)
-    capped = Probes(None, dict.fromkeys(NODES), None, told, send_limit=2 * 1024 * 1024).known_links()
+    capped = Probes(None, dict.fromkeys(NODES), None, told, bwlimit=2 * 1024 * 1024).known_links()
     assert capped == dict.fromkeys(NODES, 2 * 1024 * 1024)
 
 
@@ -102,7 +102,7 @@ def test_under_a_bwlimit_below_the_links_no_node_reads_the_nas_to_measure_direct
     to measure them."""
     asked: list[str] = []
     agents = {name: _agent(nas=2000 * MB, ceiling=1200 * MB, link=25.0 * MB, asked=asked) for name in NODES}
-    rates = Probes(FakeRay(), agents, QuietWatch(), FleetConfig(), send_limit=10 * MB).rates(GROUP)
+    rates = Probes(FakeRay(), agents, QuietWatch(), FleetConfig(), bwlimit=10 * MB).rates(GROUP)
     assert asked.count("nas") == 1 and rates.nas_each == {} and rates.bwlimit == 10 * MB, (asked, rates)
     assert choose(GROUP, rates)[0].transport == "broadcast"
     asked.clear()
