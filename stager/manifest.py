@@ -179,15 +179,16 @@ def _duration(value: object) -> int:
 
 def _rate(value: object) -> int:
     """Bytes per second, spelled as --bwlimit spells a rate ("10G" = 10 GiB/s, "3GB" = 3e9 B/s). A
-    rate that is no limit ("0", "off") says nothing about a path, and is refused."""
-    text = _text(value)
+    rate that is no limit ("0", "off") says nothing about a path, and is refused. So is a TOML
+    number: as --bwlimit reads it, a bare number is KiB/s, where a manifest's reader would guess
+    bytes; the quotes and the unit say which."""
     try:
-        rate = parse_rate(text)
+        rate = parse_rate(value) if isinstance(value, str) else None
     except ValueError:
         rate = None
     if rate is None:
         grammar = RATE_GRAMMAR.removesuffix("; 0 or off for no limit")
-        raise ValueError(f"expected bytes per second such as '10GB' or '3G' ({grammar}), got {text!r}")
+        raise ValueError(f"expected bytes per second in quotes, such as '10GB' or '3G' ({grammar}), got {value!r}")
     return rate
 
 

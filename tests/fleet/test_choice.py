@@ -266,9 +266,9 @@ def test_the_table_and_the_json_say_what_was_chosen_and_the_rates_behind_it():
 
 
 @pytest.mark.parametrize("key", ["nas_rate", "nas_node_rate", "relay_rate"])
-@pytest.mark.parametrize("value", ["off", "0", "fast", "25Gbit"])
+@pytest.mark.parametrize("value", ["off", "0", "fast", "25Gbit", 1000000000, 2.5, True])
 def test_a_fleet_rate_that_is_not_one_exits_2_naming_the_key(key, value):
-    with pytest.raises(BadInput, match=rf"/m.toml: fleet\.{key}: expected bytes per second such as '10GB'"):
+    with pytest.raises(BadInput, match=rf"/m.toml: fleet\.{key}: expected bytes per second in quotes, such as '10GB'"):
         read_manifest({"nas": {"hub": "/nas"}, "fleet": {key: value}}, "/m.toml")
     with pytest.raises(BadInput, match=r"fleet\.speed: unknown key"):
         read_manifest({"nas": {"hub": "/nas"}, "fleet": {"speed": "1G"}}, "/m.toml")
