@@ -34,21 +34,22 @@ else
   # their share of the CPU (cpu.shares; nice would not hold for the processes the tests start in
   # sessions of their own, each in an autogroup of its own), and take what the timed ones leave.
   # The timed ones' report is printed first. Without that group, they run alone after the others.
-  timed=(tests/fleet/test_fleet_lab.py tests/cli/test_bwlimit.py)
+  timed_modules=(tests/fleet/test_fleet_lab.py tests/cli/test_bwlimit.py)
+  timed=("${pytest[@]}" --basetemp "$base/timed" "${timed_modules[@]}")
   rest=("${pytest[@]}" -n 2 --dist loadscope --basetemp "$base/t")
-  for module in "${timed[@]}"; do rest+=(--ignore "$module"); done
+  for module in "${timed_modules[@]}"; do rest+=(--ignore "$module"); done
   group=/sys/fs/cgroup/cpu/stager-tests-$$
   if [ "$(id -u)" = 0 ] && mkdir "$group" 2>/dev/null && echo 512 > "$group/cpu.shares"; then
     (echo "$BASHPID" > "$group/cgroup.procs" && exec "${rest[@]}") > "$base/rest.log" 2>&1 &
     others=$!
-    "${pytest[@]}" --basetemp "$base/timed" "${timed[@]}" || status=$?
+    "${timed[@]}" || status=$?
     wait "$others" || status=$?
     cat "$base/rest.log"
     rmdir "$group" 2>/dev/null || true
   else
     rmdir "$group" 2>/dev/null || true
     "${rest[@]}" || status=$?
-    "${pytest[@]}" --basetemp "$base/timed" "${timed[@]}" || status=$?
+    "${timed[@]}" || status=$?
   fi
 fi
 rm -rf --one-file-system "$base"
