@@ -154,11 +154,9 @@ def local_hub(tmp_path: Path) -> Path:
     return tmp_path / "nvme" / "hf" / "hub"
 
 
-# scripts/test.sh runs the suite on two xdist workers (the timed tests, the namespace lab's and
-# --bwlimit's, beside them in a pytest of their own): each module whole on one worker, its module
-# fixtures built once; every module that starts Ray on the same worker, one after another, as their
-# clusters, ports and session directories are machine-wide (the lab's are in network namespaces and
-# temp directories of its own).
+# scripts/test.sh runs the suite on two xdist workers (the namespace lab after, alone): each module
+# whole on one worker, its module fixtures built once; every module that starts Ray on the same
+# worker, one after another, as their clusters, ports and session directories are machine-wide.
 # The grouping is a scheduler of our own: xdist's `loadgroup` marks name a test's group by
 # rewriting its node id, which pytest 9.2 no longer reads, and every test became a group of one.
 RAY_MODULES = {"tests/fleet/test_fleet.py", "tests/fleet/test_liveness.py", "tests/cli/test_fleet_cli.py",
